@@ -1,0 +1,37 @@
+"""Chapter 01: an OpenAI-style chat server that generates by hand.
+
+No KV cache: every new token re-runs the model over the whole sequence
+(common/autoregressive.py). One request at a time.
+
+    python 01-concepts/server.py --port 8000
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.autoregressive import eos_token_ids, generate_without_cache  # noqa: E402
+from common.loader import apply_chat_template, load_model  # noqa: E402
+from common.openai_api import (ChatCompletionRequest, Completion,  # noqa: E402
+                               build_chat_app, run_server, server_parser)
+
+
+def main() -> None:
+    args = server_parser("Chapter 01: the autoregressive loop by hand").parse_args()
+    lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)
+    eos = eos_token_ids(lm.model, lm.tokenizer)
+
+    def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int) -> Completion:
+        new_ids, reason = generate_without_cache(
+            lm.model, prompt_ids, max_tokens, req.temperature, eos, req.seed)
+        return Completion(new_ids, reason)
+
+    app = build_chat_app(
+        "Chapter 01: generation by hand", args.served_model_name or args.model,
+        args.max_model_len or lm.max_model_len, lm.tokenizer, generate,
+        lambda messages: apply_chat_template(lm.tokenizer, messages), serialize=True)
+    run_server(app, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

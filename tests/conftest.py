@@ -1,0 +1,77 @@
+"""Shared fixtures: one loaded embedded model per test session, and chapter
+servers started once per module on free ports (offline, CPU)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.loader import load_model  # noqa: E402
+from common.loadtest import ChapterServer  # noqa: E402
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."},
+     {"role": "user", "content": "Tell me about the sea in a few sentences."}],
+    [{"role": "user", "content": "List three colors."}],
+]
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded SmolLM2-135M-Instruct, float32 on the CPU."""
+    return load_model("smollm2", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return load_model("tiny-llama", dtype="float32", device="cpu", load_format="dummy")
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF `model.generate`, greedy, stopping at EOS: the reference tokens.
+
+    The attention mask is explicit: the pad token (2) is also <|im_end|>,
+    which the chat template puts in every prompt.
+    """
+    import torch
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                         max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server("05", *args) -> a running ChapterServer, stopped at the end."""
+    servers: list[ChapterServer] = []
+
+    def start(chapter: str, *args: str) -> ChapterServer:
+        log = tmp_path_factory.mktemp(f"ch{chapter}") / "server.log"
+        server = ChapterServer(chapter, free_port(), list(args), log)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def openai_client(url: str, **kwargs):
+    """The official client, strict: any response field out of shape fails."""
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                         max_retries=0, _strict_response_validation=True, **kwargs)

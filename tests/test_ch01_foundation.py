@@ -1,0 +1,84 @@
+"""Chapter 01: the loader, the by-hand loop, the chat server over HTTP."""
+import pytest
+import requests
+import torch
+
+from common.autoregressive import eos_token_ids, generate_without_cache
+from common.loader import ModelLoadError, apply_chat_template, load_model
+from tests.conftest import PROMPTS, hf_greedy, openai_client
+
+pytestmark = pytest.mark.ch01
+
+
+def test_embedded_model_loads_offline_with_its_chat_template(embedded):
+    cfg = embedded.model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert embedded.max_model_len == 8192
+    ids = apply_chat_template(embedded.tokenizer, PROMPTS[0])
+    text = embedded.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_dummy_model_builds_from_a_config():
+    lm = load_model("tiny-llama", load_format="dummy", device="cpu")
+    assert lm.model.config.num_hidden_layers == 2
+    logits = lm.model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 49152) and torch.isfinite(logits).all()
+
+
+def test_bad_model_name_gives_a_clear_error():
+    with pytest.raises(ModelLoadError) as info:
+        load_model("no-such-org/no-such-model", device="cpu")
+    message = str(info.value)
+    assert "no-such-org/no-such-model" in message and "smollm2" in message
+    assert "--load-format dummy" in message
+
+
+@pytest.mark.parametrize("messages", PROMPTS)
+def test_greedy_loop_by_hand_equals_hf_generate(embedded, messages):
+    ids = apply_chat_template(embedded.tokenizer, messages)
+    eos = eos_token_ids(embedded.model, embedded.tokenizer)
+    ours, reason = generate_without_cache(embedded.model, ids, 40, 0.0, eos)
+    assert ours == hf_greedy(embedded.model, ids, 40)
+    assert reason == ("stop" if ours[-1] in eos else "length")
+
+
+@pytest.fixture(scope="module")
+def ch01(start_server):
+    return start_server("01")
+
+
+def test_ch01_over_http_with_the_openai_client(ch01):
+    client = openai_client(ch01.url)
+    assert client.models.list().data[0].id == "smollm2"
+    reply = client.chat.completions.create(
+        model="smollm2", messages=PROMPTS[0], max_tokens=20, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens == 37
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    short = client.chat.completions.create(
+        model="smollm2", messages=PROMPTS[1], max_tokens=5, temperature=0)
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
+
+
+def assert_bad_input_rejected(url: str) -> None:
+    """Malformed JSON, empty messages, negative max_tokens -> 400 + envelope."""
+    endpoint = url + "/v1/chat/completions"
+    cases = [
+        dict(data="{not json", headers={"content-type": "application/json"}),
+        dict(json={"messages": []}),
+        dict(json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}),
+        dict(json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+    ]
+    for case in cases:
+        response = requests.post(endpoint, timeout=60, **case)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+    ok = requests.post(endpoint, json={"messages": PROMPTS[2], "max_tokens": 3}, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_ch01_bad_input(ch01):
+    assert_bad_input_rejected(ch01.url)

@@ -1,0 +1,68 @@
+"""Chapter 02: the card, the naive server, the load test and the OOM demo."""
+import gc
+
+import pytest
+import torch
+
+from common.loadtest import format_table, run_load
+from common.memory import MiB, Card, kv_bytes_per_token
+from tests.conftest import PROMPTS, openai_client
+from tests.test_ch01_foundation import assert_bad_input_rejected
+
+pytestmark = pytest.mark.ch02
+DEMO_CARD = "1.1"  # the Makefile's DEMO_CARD
+
+
+def test_card_raises_cuda_shaped_oom_and_returns_freed_memory():
+    card = Card(torch.device("cpu"), device_memory_gb=0.01, gpu_memory_utilization=1.0)
+    block = card.allocate((1024, 1024), torch.float32, "a test block")  # 4 MiB
+    assert card.allocated_bytes() == 4 * MiB
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        card.allocate((2048, 1024), torch.float32, "too much")
+    message = str(info.value)
+    for part in ("simulated", "Tried to allocate 8.00 MiB", "total", "already allocated", "free"):
+        assert part in message
+    del block
+    gc.collect()
+    assert card.allocated_bytes() == 0 and card.peak_bytes() == 4 * MiB
+    with card.reserve(8 * MiB, "a reservation"):
+        assert card.allocated_bytes() == 8 * MiB
+    assert card.allocated_bytes() == 0
+
+
+def test_kv_bytes_per_token_of_the_embedded_model(embedded):
+    # 2 (K,V) x 30 layers x 3 KV heads x 64 dims x 4 bytes
+    assert kv_bytes_per_token(embedded.model.config, torch.float32) == 46080
+
+
+def test_demo_card_holds_one_request_but_not_two(embedded):
+    card = Card(torch.device("cpu"), float(DEMO_CARD))
+    card.charge_weights(embedded.model)
+    one_request = kv_bytes_per_token(embedded.model.config, torch.float32) * 8192
+    assert card.free_bytes() > one_request
+    assert card.free_bytes() < 2 * one_request
+
+
+@pytest.fixture(scope="module")
+def ch02(start_server):
+    return start_server("02", "--device-memory-gb", DEMO_CARD)
+
+
+def test_two_concurrent_clients_one_success_one_oom(ch02):
+    summary = run_load(ch02.url, clients=2, requests_per_client=1, max_tokens=24,
+                       timeout=300, deadline=600)
+    print(format_table(summary))
+    assert summary["completed"] == 1 and summary["failed"] == 1
+    error = summary["first_errors"][0]
+    assert error.startswith("HTTP 500") and "out of memory" in error
+    assert "Traceback" in ch02.log_path.read_text()
+    assert ch02.alive()
+    client = openai_client(ch02.url)
+    reply = client.chat.completions.create(model="smollm2", messages=PROMPTS[0],
+                                           max_tokens=12, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 12
+
+
+def test_ch02_bad_input(ch02):
+    assert_bad_input_rejected(ch02.url)

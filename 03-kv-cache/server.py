@@ -1,0 +1,22 @@
+"""Chapter 03: our own forward pass and an explicit KV cache.
+
+Switches on: common/models/ (our forward), common/kv_cache.py (the cache,
+sized from the card), common/sampling.py. Each sequence reserves one
+contiguous region of max_model_len slots (a "block" as big as the context);
+requests that find no free region wait in a FIFO queue. One request is
+decoded at a time. GET /stats shows reserved vs used slots (the waste).
+
+    python 03-kv-cache/server.py --device-memory-gb 1.1
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.engine_server import main  # noqa: E402
+
+if __name__ == "__main__":
+    main("Chapter 03: our forward pass and a contiguous KV cache",
+         policy="static",  # ch03: one batch at a time...
+         max_num_seqs=1,  # ch03: ...of one request
+         contiguous=True)  # ch03: block_size = max_model_len (a region per request)

@@ -1,0 +1,20 @@
+"""Chapter 04: PagedAttention with static batching.
+
+Switches on: common/block_manager.py (blocks of --block-size tokens handed
+out on demand, prefix caching with --enable-prefix-caching),
+common/triton_kernels.py on CUDA. The waiting requests are grouped into one
+batch, as many as the blocks allow at their worst case; the batch runs
+until all of them finish; new arrivals wait for the whole batch.
+
+    python 04-paged-attention/server.py --device-memory-gb 1.1 --enable-prefix-caching
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.engine_server import main  # noqa: E402
+
+if __name__ == "__main__":
+    main("Chapter 04: paged attention, static batching",
+         policy="static")  # ch04: small blocks (--block-size), whole batches

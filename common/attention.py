@@ -1,0 +1,145 @@
+"""Attention over a paged KV cache, in plain PyTorch (ch03-04).
+
+The cache of one layer is two tensors `(num_blocks, block_size, num_kv_heads,
+head_dim)`; flattened, slot `s` = block `s // block_size`, offset
+`s % block_size`. Three operations, one interface (the Triton versions in
+common/triton_kernels.py take the same arguments and are used on CUDA):
+
+1. `store_kvcache`: write the new tokens' K/V at their `slot_mapping`.
+2. `paged_decode_attention`: one query token per sequence, over its
+   `context_lens[i]` cached tokens found through `block_tables[i]`.
+3. `paged_prefill_attention`: several new query tokens per sequence, causal,
+   whose earlier context may already sit in the cache (prefix caching,
+   chunked prefill, recompute after preemption).
+
+Grouped-query attention: query head `h` reads KV head `h // (H / H_kv)`.
+Chapter 03 uses these with `block_size = max_model_len` (one contiguous
+region per sequence); chapter 04 with small blocks. Same code.
+
+Left out: sliding windows, ALiBi, soft-capping, FP8 caches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch's tokens go and what they attend to.
+
+    The batch holds `num_seqs` sequences' new tokens back to back:
+    sequence i's tokens are rows `query_start_loc[i]:query_start_loc[i+1]`.
+    The first `num_decodes` sequences have exactly one new token (decode),
+    the others several (prefill or a prefill chunk).
+    """
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative query lengths
+    context_lens: torch.Tensor  # (num_seqs,) int32: cached + new tokens per sequence
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, padded with 0
+    num_decodes: int  # sequences at the front with one new token
+    block_size: int
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value: (num_tokens, num_kv_heads, head_dim).
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def gather_slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
+    """Cache slot of positions 0..num_positions-1 for every sequence.
+    block_tables: (num_seqs, max_blocks) -> (num_seqs, num_positions)."""
+    positions = torch.arange(num_positions, device=block_tables.device)
+    blocks = block_tables[:, positions // block_size].long()  # (num_seqs, num_positions)
+    return blocks * block_size + positions % block_size
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """query: (num_seqs, num_heads, head_dim), one token per sequence, whose
+    own K/V are already stored. Returns (num_seqs, num_heads, head_dim)."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    slots = gather_slots(block_tables, max_len, block_size)  # (num_seqs, max_len)
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # (num_seqs, max_len, H_kv, D)
+    values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # (num_seqs, H, 1, D)
+        keys.transpose(1, 2), values.transpose(1, 2),  # (num_seqs, H_kv, max_len, D)
+        attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != num_kv_heads)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query: (num_tokens, num_heads, head_dim), the new tokens of each
+    sequence, which are the *last* tokens of its context (their K/V already
+    stored). Causal. Returns (num_tokens, num_heads, head_dim)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, context_len in enumerate(context_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        query_len = end - start
+        slots = gather_slots(block_tables[i:i + 1], context_len, block_size)[0]
+        keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # (context_len, H_kv, D)
+        values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+        # Query j sits at position context_len - query_len + j: it sees keys 0..that.
+        q_pos = torch.arange(context_len - query_len, context_len, device=query.device)
+        causal = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1),  # (H, query_len, D)
+            keys.transpose(0, 1), values.transpose(0, 1),  # (H_kv, context_len, D)
+            attn_mask=causal, scale=scale,
+            enable_gqa=num_heads != num_kv_heads).transpose(0, 1)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for a flat batch: store the new K/V, then attend.
+
+    query: (num_tokens, H, D); key, value: (num_tokens, H_kv, D).
+    Uses the Triton kernels on CUDA, the PyTorch reference elsewhere.
+    Returns (num_tokens, H, D).
+    """
+    ops = _kernels_for(query.device)
+    ops.store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
+    d = meta.num_decodes  # rows 0..d-1: one token each, batched together
+    if d == query.shape[0]:
+        return ops.paged_decode_attention(query, k_cache, v_cache, meta.block_tables,
+                                          meta.context_lens, scale)
+    out = torch.empty_like(query)
+    if d > 0:
+        out[:d] = ops.paged_decode_attention(query[:d], k_cache, v_cache,
+                                             meta.block_tables[:d], meta.context_lens[:d], scale)
+    out[d:] = ops.paged_prefill_attention(query[d:], k_cache, v_cache, meta.block_tables[d:],
+                                          meta.query_start_loc[d:] - d,
+                                          meta.context_lens[d:], scale)
+    return out
+
+
+class _TorchOps:
+    store_kvcache = staticmethod(store_kvcache)
+    paged_decode_attention = staticmethod(paged_decode_attention)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+
+
+def _kernels_for(device: torch.device):
+    if device.type == "cuda":
+        from common import triton_kernels  # ch04: the same operations in Triton
+        return triton_kernels
+    return _TorchOps

@@ -1,0 +1,86 @@
+"""The KV cache tensors and how many blocks the card can hold (ch03).
+
+One (K, V) pair of tensors per layer, each of shape `(num_blocks,
+block_size, num_kv_heads, head_dim)`, allocated through the card. Their
+size comes from the card, as in vLLM: budget - weights - peak activations
+(measured by a warm-up forward pass on CUDA, estimated on the CPU), divided
+by the bytes of one block.
+
+Chapter 03 calls a block of `max_model_len` slots a *region*: each sequence
+reserves one whole region when it starts (the classic pre-allocation), and
+requests that find no free region wait. Chapter 04 cuts the same memory into
+blocks of 16 slots handed out on demand (common/block_manager.py).
+
+Left out: CPU swap space, per-layer cache sizes (sliding windows), FP8.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.memory import Card, activation_bytes_estimate, format_bytes, kv_bytes_per_token
+
+
+def cache_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a HF config."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return layers, kv_heads, head_dim
+
+
+@torch.no_grad()
+def measure_activation_bytes(hf_model, num_tokens: int, card: Card) -> int:
+    """Peak memory of one forward pass over `num_tokens` tokens (the warm-up)."""
+    dtype = next(hf_model.parameters()).dtype
+    if card.simulated:  # the CPU allocator keeps no peak statistics
+        return activation_bytes_estimate(hf_model.config, num_tokens, dtype)
+    device = card.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+    hf_model(ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+class KVCache:
+    def __init__(self, card: Card, config, num_blocks: int, block_size: int,
+                 dtype: torch.dtype):
+        self.num_layers, self.num_kv_heads, self.head_dim = cache_shape(config)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # kv_caches[layer] = (k_cache, v_cache), each (num_blocks, block_size, H_kv, D)
+        self.tensors = [card.allocate(shape, dtype, f"KV cache layer {i}")
+                        for i in range(self.num_layers)]
+        self.kv_caches = [(t[0], t[1]) for t in self.tensors]
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        return kv_bytes_per_token(config, dtype) * block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def num_blocks_for_card(card: Card, hf_model, block_size: int,
+                        max_num_batched_tokens: int) -> tuple[int, str]:
+    """How many blocks fit: (budget - weights - activations) / block bytes.
+    Returns the number and a line that explains it."""
+    dtype = next(hf_model.parameters()).dtype
+    activations = measure_activation_bytes(hf_model, max_num_batched_tokens, card)
+    per_block = KVCache.bytes_per_block(hf_model.config, block_size, dtype)
+    available = card.free_bytes() - activations
+    num_blocks = max(0, available // per_block)
+    line = (f"KV cache: {card.describe()}; activations {format_bytes(activations)}; "
+            f"{format_bytes(max(0, available))} left = {num_blocks} blocks of "
+            f"{block_size} tokens ({format_bytes(per_block)} each)")
+    if num_blocks < 1:
+        raise torch.OutOfMemoryError(
+            f"the card has no room for one KV block of {block_size} tokens "
+            f"({format_bytes(per_block)}): {line}. Use a bigger --device-memory-gb, "
+            "a smaller --max-model-len or --block-size.")
+    return int(num_blocks), line

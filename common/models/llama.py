@@ -1,0 +1,95 @@
+"""The Llama family's forward pass, written out (ch03): SmolLM2, Llama,
+Qwen2 (q/k/v biases) and Mistral.
+
+Per layer: RMSNorm -> q, k, v projections -> rotary embeddings -> attention
+through the paged KV cache (common/attention.py) -> output projection ->
+residual; RMSNorm -> SwiGLU MLP -> residual. Grouped-query attention: fewer
+K/V heads than query heads, so the cache is smaller.
+
+The weights are the HF model's own tensors (no copy). The input is a flat
+batch of tokens from any number of sequences, prefill or decode alike:
+`input_ids` and `positions` of shape (num_tokens,), plus AttentionMetadata.
+
+Left out: Mistral's sliding window (attention sees the whole context),
+fused QKV/gate-up matmuls, tensor parallelism.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.attention import AttentionMetadata, paged_attention
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF computes it: in float32, then back to the input dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)  # bias: Qwen2's q/k/v only
+
+
+class LlamaForward:
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        self.hf = hf_model
+        self.layers = hf_model.model.layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.act = F.silu if cfg.hidden_act == "silu" else getattr(F, cfg.hidden_act)
+        # HF computed the inverse frequencies with the model's theta and its
+        # rope scaling (llama3, linear, yarn...); we reuse them.
+        rotary = hf_model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq  # (head_dim / 2,)
+        self.attention_scaling = getattr(rotary, "attention_scaling", 1.0)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # (T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        cos = (angles.cos() * self.attention_scaling).to(dtype)[:, None, :]  # (T, 1, D)
+        sin = (angles.sin() * self.attention_scaling).to(dtype)[:, None, :]
+        return cos, sin
+
+    def attention(self, layer, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        attn = layer.self_attn
+        num_tokens = x.shape[0]
+        q = linear(x, attn.q_proj).view(num_tokens, self.num_heads, self.head_dim)
+        k = linear(x, attn.k_proj).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = linear(x, attn.v_proj).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin  # (T, H, D)
+        k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
+        return linear(out.reshape(num_tokens, -1), attn.o_proj)
+
+    def mlp(self, layer, x):
+        mlp = layer.mlp
+        return linear(self.act(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,). Returns hidden states (num_tokens, hidden)."""
+        h = self.hf.model.embed_tokens.weight[input_ids]  # (T, hidden)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = h + self.attention(layer, rms_norm(h, layer.input_layernorm.weight, self.eps),
+                                   cos, sin, k_cache, v_cache, meta)
+            h = h + self.mlp(layer, rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+        return rms_norm(h, self.hf.model.norm.weight, self.eps)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> (N, vocab). The head may be tied to the embedding."""
+        return F.linear(hidden, self.hf.lm_head.weight)

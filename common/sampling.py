@@ -1,0 +1,131 @@
+"""SamplingParams and the sampler: logits -> next token ids (ch03).
+
+Per request: greedy (temperature 0), temperature, top-k, top-p, min-p,
+presence/frequency/repetition penalties, a seed (a seeded request draws from
+its own `torch.Generator`, so it gives the same text whatever else runs in
+the batch), and the logprobs of the chosen and top tokens.
+
+Left out: beam search, best_of, logit bias, guided decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM's names and defaults)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return (0: chosen only)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams,
+                    prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """logits: (vocab,). OpenAI's presence/frequency penalties count output
+    tokens; the repetition penalty (vLLM, HF) covers prompt and output."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output_ids).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype)
+        logits[ids] -= params.presence_penalty
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: (vocab,), already divided by the temperature. Tokens outside
+    top-k, top-p (nucleus) or min-p get -inf."""
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _top_logprobs(logprobs: torch.Tensor, token_id: int, k: int | None) -> SampledToken:
+    if k is None:
+        return SampledToken(token_id)
+    top = torch.topk(logprobs, k) if k > 0 else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return SampledToken(token_id, float(logprobs[token_id]), pairs)
+
+
+class Sampler:
+    """Pick one token per row of logits, each row with its own parameters."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None],
+                 prompt_ids: list[list[int]], output_ids: list[list[int]],
+                 banned: list[list[int]] | None = None) -> list[SampledToken]:
+        """logits: (num_seqs, vocab). `banned[i]`: token ids that row i may not
+        pick now (EOS before `min_tokens`)."""
+        logits = logits.float().cpu()
+        results = []
+        for i, p in enumerate(params):
+            row = logits[i]  # (vocab,)
+            if p.needs_penalties:
+                row = apply_penalties(row, p, prompt_ids[i], output_ids[i])
+            if banned and banned[i]:
+                row = row.clone()
+                row[banned[i]] = float("-inf")
+            logprobs = torch.log_softmax(row, dim=-1) if p.logprobs is not None else None
+            if p.greedy:
+                token = int(torch.argmax(row))
+            else:
+                probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generators[i]))
+            results.append(_top_logprobs(logprobs, token, p.logprobs))
+        return results

@@ -1,0 +1,421 @@
+"""Paged attention as Triton kernels (ch04).
+
+The same three operations as the PyTorch reference in common/attention.py,
+with the same names, arguments and results; attention.py calls these on
+CUDA (`_kernels_for`). Each is one `@triton.jit` kernel plus a thin Python
+wrapper that checks the inputs, picks the grid and launches it:
+
+1. `store_kvcache`: one program per new token copies its K and V rows
+   into the cache at `slot_mapping[token]`.
+2. `paged_decode_attention`: one program per (sequence, query head) walks
+   the sequence's blocks through `block_tables` and keeps an *online
+   softmax* (running max, running sum, running weighted sum of V), so the
+   whole context never has to sit in memory at once.
+3. `paged_prefill_attention`: one program per (sequence, query head, tile
+   of the sequence's new tokens): the same walk, causal, with matrix
+   products (`tl.dot`) for a whole tile of queries at a time.
+
+Where a token lives: the cache of one layer is `(num_blocks, block_size,
+num_kv_heads, head_dim)`; token `i` of sequence `s` sits in physical block
+`block_tables[s, i // block_size]` at offset `i % block_size`.
+
+The kernels walk the context in *tiles* of `TILE_N` positions. With the
+course's block size 16, a tile is exactly one block. Smaller blocks (1, 2,
+4, 8) are packed several to a tile, because `tl.dot` wants at least 16 rows;
+larger blocks (chapter 03 uses `block_size = max_model_len`, which need not be
+a power of two) are cut into tiles of 64. To allow all of these, a kernel
+looks up the physical block of *each position* of a tile (a gather from
+`block_tables`); when a tile is one block, those lookups all read the same
+entry. vLLM's Triton "unified attention" kernel does the same.
+
+Numerics: scores, softmax and the output are accumulated in float32; the
+result is cast back to the query's dtype. float32 inputs use exact float32
+matrix products (`input_precision="ieee"`, not TF32), so they match the
+reference to ~1e-6.
+
+Runs on the CPU too, slowly, under the Triton interpreter: set
+`TRITON_INTERPRET=1` in the environment *before* this module (or triton) is
+imported, and pass CPU tensors (tests/test_triton_kernels.py does that).
+
+Left out, on purpose: split-K / flash-decoding (cutting one long context
+across several programs and merging their partial softmaxes), grouping the
+query heads that share a KV head into one program (GQA: each K/V tile is
+read once per query head, mostly from L2), FP8 or quantized caches, sliding
+windows, ALiBi, soft-capping, CUDA graphs, autotuning of tile sizes, and
+negative "padding" slots in `slot_mapping` (the reference has none either).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile sizes, in tokens. A prefill program handles PREFILL_BLOCK_M new tokens
+# of one sequence; both kernels read the context TILE_N positions at a time.
+PREFILL_BLOCK_M = 64
+MIN_TILE_N = 16  # tl.dot's smallest operand dimension
+MAX_TILE_N = 64  # big blocks (chapter 03's regions) are read in slices
+
+
+# --------------------------------------------------------------------------
+# 1. store_kvcache: write the new tokens' K and V into their cache slots
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping_ptr,  # (num_tokens,)
+    key_stride_token, key_stride_head, key_stride_dim,
+    value_stride_token, value_stride_head, value_stride_dim,
+    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    KV_HEADS_PADDED: tl.constexpr,  # num_kv_heads rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)  # one program per new token
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: big caches
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    # The token's rows for all KV heads at once: a (KV_HEADS_PADDED, HEAD_DIM)
+    # tile. tl.arange needs a power of two, so heads are padded and masked
+    # (SmolLM2 has 3 KV heads: the tile has 4 rows, the last one masked).
+    heads = tl.arange(0, KV_HEADS_PADDED)[:, None]  # (KV_HEADS_PADDED, 1)
+    dims = tl.arange(0, HEAD_DIM)[None, :]  # (1, HEAD_DIM)
+    mask = heads < num_kv_heads  # (KV_HEADS_PADDED, 1)
+
+    k = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head
+                + dims * key_stride_dim, mask=mask)  # (KV_HEADS_PADDED, HEAD_DIM)
+    v = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head
+                + dims * value_stride_dim, mask=mask)
+    cache_offsets = (block * cache_stride_block + offset * cache_stride_offset
+                     + heads * cache_stride_head + dims * cache_stride_dim)
+    # tl.store casts to the cache's dtype, like the reference's assignment.
+    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value: (num_tokens, num_kv_heads, head_dim).
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), written
+    in place at `slot_mapping` (num_tokens,)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _check_head_dim(head_dim)
+    _check_same_layout(k_cache, v_cache)
+    if num_tokens == 0:
+        return
+    block_size = k_cache.shape[1]
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        num_kv_heads,
+        BLOCK_SIZE=block_size,
+        KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+    )
+
+
+# --------------------------------------------------------------------------
+# Shared by both attention kernels: where the K/V rows of a tile of
+# positions are, through the sequence's block table.
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _kv_tile_offsets(
+    block_table_ptr,  # this sequence's row of block_tables: (max_blocks,)
+    positions,  # (TILE_N,) token positions in the sequence
+    in_context,  # (TILE_N,) which of them exist
+    kv_head,
+    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Offsets of the K (or V) rows of `positions`: (TILE_N, HEAD_DIM)."""
+    # Logical block -> physical block, one lookup per position. When the tile
+    # is exactly one block all these loads read the same entry of the table.
+    logical_block = positions // BLOCK_SIZE  # (TILE_N,)
+    physical_block = tl.load(block_table_ptr + logical_block, mask=in_context, other=0)
+    physical_block = physical_block.to(tl.int64)  # int64: big caches overflow int32
+    offset_in_block = positions % BLOCK_SIZE  # (TILE_N,)
+    dims = tl.arange(0, HEAD_DIM)
+    return (physical_block[:, None] * cache_stride_block
+            + offset_in_block[:, None] * cache_stride_offset
+            + kv_head * cache_stride_head
+            + dims[None, :] * cache_stride_dim)  # (TILE_N, HEAD_DIM)
+
+
+# --------------------------------------------------------------------------
+# 2. paged_decode_attention: one new token per sequence
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # (num_seqs, num_heads, head_dim)
+    query_ptr,  # (num_seqs, num_heads, head_dim)
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables_ptr,  # (num_seqs, max_blocks)
+    context_lens_ptr,  # (num_seqs,)
+    scale,
+    query_stride_seq, query_stride_head, query_stride_dim,
+    out_stride_seq, out_stride_head, out_stride_dim,
+    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    block_tables_stride_seq,
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads (GQA group size)
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # One program per (sequence, query head). Simple to read: the query is
+    # one vector, the scores of a tile one vector. The price is that the
+    # QUERIES_PER_KV heads sharing a KV head each read its K/V (mostly from
+    # L2 cache); vLLM groups them into one program.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // QUERIES_PER_KV
+
+    context_len = tl.load(context_lens_ptr + seq)  # cached tokens, own one included
+    block_table_ptr = block_tables_ptr + seq * block_tables_stride_seq
+
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(query_ptr + seq * query_stride_seq + head * query_stride_head
+                + dims * query_stride_dim).to(tl.float32)  # (HEAD_DIM,)
+
+    # Online softmax state (float32): the largest score seen so far, the sum
+    # of exp(score - running_max), and the sum of exp(score - running_max) * V.
+    running_max = -float("inf")
+    running_sum = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)  # (HEAD_DIM,)
+
+    # The loop over the context, one tile (= one block at block_size 16) per step.
+    for tile_start in range(0, context_len, TILE_N):
+        # a) positions of this tile, and the physical block of each
+        #    (loaded from block_tables inside _kv_tile_offsets).
+        positions = tile_start + tl.arange(0, TILE_N)  # (TILE_N,)
+        in_context = positions < context_len  # the last tile may be partial
+        kv_offsets = _kv_tile_offsets(
+            block_table_ptr, positions, in_context, kv_head,
+            cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+            BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
+
+        # b) load the tile's keys and score them: q . k for every position.
+        k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # (TILE_N,)
+        scores = tl.where(in_context, scores, -float("inf"))
+
+        # c) online softmax: if this tile holds a larger score, everything
+        #    summed so far was scaled by exp(-old_max) and must now be scaled
+        #    by exp(-new_max): multiply it by alpha = exp(old_max - new_max).
+        #    Tile 0 always holds position 0, so new_max is finite from then on.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+        alpha = tl.exp(running_max - new_max)  # 0 on the first tile
+        p = tl.exp(scores - new_max)  # (TILE_N,) unnormalised probabilities
+        running_sum = running_sum * alpha + tl.sum(p, axis=0)
+
+        # d) load the tile's values and add their p-weighted sum.
+        v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)  # (HEAD_DIM,)
+        running_max = new_max
+
+    out = acc / running_sum  # softmax(scores) @ V
+    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims * out_stride_dim,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """query: (num_seqs, num_heads, head_dim), one token per sequence, whose
+    own K/V are already stored. Returns (num_seqs, num_heads, head_dim)."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _check_attention_inputs(query, k_cache, v_cache, block_tables)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    grid = (num_seqs, num_heads)  # one program per (sequence, query head)
+    _paged_decode_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        TILE_N=_tile_n(block_size),
+        HEAD_DIM=head_dim,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------
+# 3. paged_prefill_attention: several new tokens per sequence, causal
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim)
+    query_ptr,  # (num_tokens, num_heads, head_dim)
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables_ptr,  # (num_seqs, max_blocks)
+    query_start_loc_ptr,  # (num_seqs + 1,)
+    context_lens_ptr,  # (num_seqs,)
+    scale,
+    query_stride_token, query_stride_head, query_stride_dim,
+    out_stride_token, out_stride_head, out_stride_dim,
+    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    block_tables_stride_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # new tokens per program
+    TILE_N: tl.constexpr,  # context positions per loop step
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (exact), else default
+):
+    # One program per (sequence, query head, tile of BLOCK_M new tokens).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    kv_head = head // QUERIES_PER_KV
+
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if q_tile * BLOCK_M >= query_len:
+        return  # the grid is sized for the longest query; this one is shorter
+    context_len = tl.load(context_lens_ptr + seq)  # cached + new tokens
+    block_table_ptr = block_tables_ptr + seq * block_tables_stride_seq
+
+    # The new tokens are the *last* query_len of the context: new token j
+    # sits at position context_len - query_len + j.
+    q_index = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) j within the sequence
+    q_valid = q_index < query_len  # the last tile may be partial
+    q_positions = context_len - query_len + q_index  # (BLOCK_M,)
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = ((query_start + q_index)[:, None] * query_stride_token
+                 + head * query_stride_head + dims[None, :] * query_stride_dim)
+    q = tl.load(query_ptr + q_offsets, mask=q_valid[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
+
+    # Online softmax state, one row per query token.
+    running_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # (BLOCK_M,)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # (BLOCK_M, HEAD_DIM)
+
+    # Causal: the last query of this tile sees positions 0..its own, so the
+    # loop stops there: positions after it are masked for every row anyway.
+    last_q_index = tl.minimum((q_tile + 1) * BLOCK_M, query_len) - 1
+    context_end = context_len - query_len + last_q_index + 1
+
+    for tile_start in range(0, context_end, TILE_N):
+        # a) positions of this tile, and the physical block of each.
+        positions = tile_start + tl.arange(0, TILE_N)  # (TILE_N,)
+        in_context = positions < context_end
+        kv_offsets = _kv_tile_offsets(
+            block_table_ptr, positions, in_context, kv_head,
+            cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+            BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
+
+        # b) load the keys; scores of every (query, position) pair, causal.
+        k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N)
+        visible = in_context[None, :] & (positions[None, :] <= q_positions[:, None])
+        scores = tl.where(visible, scores, -float("inf"))
+
+        # c) online softmax, row by row (see the decode kernel). Every row
+        #    sees position 0 in the first tile, so new_max is always finite.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (BLOCK_M,)
+        alpha = tl.exp(running_max - new_max)  # (BLOCK_M,)
+        p = tl.exp(scores - new_max[:, None])  # (BLOCK_M, TILE_N)
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
+
+        # d) load the values; acc += p @ V. p is cast to the cache dtype for
+        #    the matrix product (bfloat16 on GPU, as FlashAttention does).
+        v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    out = acc / running_sum[:, None]  # (BLOCK_M, HEAD_DIM)
+    out_offsets = ((query_start + q_index)[:, None] * out_stride_token
+                   + head * out_stride_head + dims[None, :] * out_stride_dim)
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query: (num_tokens, num_heads, head_dim), the new tokens of each
+    sequence, which are the *last* tokens of its context (their K/V already
+    stored). Causal. Returns (num_tokens, num_heads, head_dim)."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = context_lens.shape[0]
+    _check_attention_inputs(query, k_cache, v_cache, block_tables)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # The grid must cover the longest query (one host sync, as in the reference).
+    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
+    _paged_prefill_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        float(scale),
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=PREFILL_BLOCK_M,
+        TILE_N=_tile_n(block_size),
+        HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Helpers of the wrappers
+# --------------------------------------------------------------------------
+
+def _tile_n(block_size: int) -> int:
+    """Context positions read per loop step: one block when the block size is
+    a power of two in [16, 64], else 16 (several small blocks) or 64 (a slice
+    of a big block, or of a block size that is not a power of two)."""
+    is_power_of_two = block_size & (block_size - 1) == 0
+    if block_size < MIN_TILE_N:
+        return MIN_TILE_N
+    if is_power_of_two and block_size <= MAX_TILE_N:
+        return block_size
+    return MAX_TILE_N
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32: exact products, not TF32 (so float32 runs match the reference).
+    # bfloat16/float16: the tensor cores' native products ("tf32" is the
+    # default name of that setting; it only changes float32 inputs).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_head_dim(head_dim: int) -> None:
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"the Triton kernels need head_dim to be a power of two >= 16 (tl.arange "
+        f"and tl.dot sizes); got head_dim={head_dim}. Use the PyTorch reference "
+        f"in common/attention.py for this model.")
+
+
+def _check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # The kernels take one set of cache strides for both K and V.
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), (
+        f"k_cache and v_cache must have the same shape and strides; got "
+        f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
+        f"{tuple(v_cache.shape)}/{v_cache.stride()}")
+
+
+def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    _check_head_dim(head_dim)
+    _check_same_layout(k_cache, v_cache)
+    assert k_cache.shape[3] == head_dim, (
+        f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    assert query.dtype == k_cache.dtype, (
+        f"query ({query.dtype}) and KV cache ({k_cache.dtype}) must share a dtype")
+    assert block_tables.dim() == 2, "block_tables must be (num_seqs, max_blocks)"

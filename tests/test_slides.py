@@ -1,0 +1,232 @@
+"""Lint every chapter's `slides.md` so it renders in `mdp` on an 80x24 terminal.
+
+mdp refuses to start when a slide is taller than the terminal, and lines
+wider than it are cut. The rules (DESIGN.md, "Slides"):
+
+- the file starts with `%title:`, `%author:` and `%date:` header lines;
+- slides are separated by a line `---` that follows an empty line (a `---`
+  right after text is a heading underline in mdp, not a slide break);
+- each slide holds at most 20 lines (leading and trailing blank lines not
+  counted) of at most 76 columns, and is not empty;
+- code fences (``` or ~~~) open and close within one slide;
+- no line ends with a backslash: mdp escapes the line break and garbles
+  the next line (shell continuations included);
+- no inline code in a `# heading` (mdp shows the backticks there);
+- inline `code spans` start the line or follow a space (after "(" mdp
+  shows the backticks literally), and hold no `*` (mdp reads it as the
+  start of red text even there; put such code in a fenced block).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slides
+
+ROOT = Path(__file__).resolve().parents[1]
+DECKS = sorted(ROOT.glob("*/slides.md"))
+
+HEADERS = ("%title:", "%author:", "%date:")
+MAX_LINES = 20
+MAX_COLUMNS = 76
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+HEADING = re.compile(r"^(-> *)?#")
+
+
+@dataclass
+class Slide:
+    number: int  # 1-based
+    lines: list[tuple[int, str]] = field(default_factory=list)  # (file line no, text)
+    open_fence: tuple[int, str] | None = None  # (line no, marker) if left open
+
+    def content(self) -> list[tuple[int, str]]:
+        """The slide's lines without leading and trailing blank lines."""
+        lines = list(self.lines)
+        while lines and not lines[0][1].strip():
+            lines.pop(0)
+        while lines and not lines[-1][1].strip():
+            lines.pop()
+        return lines
+
+
+@dataclass
+class Deck:
+    path: Path
+    header: list[tuple[int, str]]
+    slides: list[Slide]
+    problems: list[str]  # found while splitting (misplaced separators)
+
+
+def _name(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def parse_deck(path: Path) -> Deck:
+    """Split a deck the way mdp does: `---` after an empty line, outside fences."""
+    text = path.read_text(encoding="utf-8").expandtabs(4)  # mdp expands tabs to 4
+    all_lines = text.split("\n")
+    if all_lines and all_lines[-1] == "":
+        all_lines.pop()  # the final newline does not make a line
+    header: list[tuple[int, str]] = []
+    i = 0
+    while i < len(all_lines) and all_lines[i].startswith("%"):
+        header.append((i + 1, all_lines[i]))
+        i += 1
+
+    problems: list[str] = []
+    slides = [Slide(number=1)]
+    fence: tuple[int, str] | None = None  # the open fence: (line no, marker)
+    previous = ""  # the line before, "" at the start of the body
+    for index in range(i, len(all_lines)):
+        lineno, line = index + 1, all_lines[index]
+        slide = slides[-1]
+        match = FENCE.match(line)
+        if fence is None and line.rstrip() == "---":
+            if not previous.strip():
+                slide.open_fence = None
+                slides.append(Slide(number=len(slides) + 1))
+                previous = line
+                continue
+            problems.append(
+                f"{_name(path)}:{lineno}: slide {slide.number}: `---` right after "
+                "a text line is a heading underline in mdp, not a slide break; "
+                "put an empty line before it")
+        if match:
+            marker = match.group(1)
+            if fence is None:
+                fence = (lineno, marker)
+                slide.open_fence = fence
+            elif marker[0] == fence[1][0] and len(marker) >= len(fence[1]) \
+                    and not line.strip()[len(marker):].strip():
+                fence = None
+                slide.open_fence = None
+        slide.lines.append((lineno, line))
+        previous = line
+    return Deck(path=path, header=header, slides=slides, problems=problems)
+
+
+def check_header(deck: Deck) -> list[str]:
+    name = _name(deck.path)
+    if not deck.header:
+        return [f"{name}:1: the deck must start with {', '.join(HEADERS)} lines"]
+    errors = []
+    found = {line.split(":", 1)[0] + ":": (n, line) for n, line in deck.header}
+    for tag in HEADERS:
+        if tag not in found:
+            errors.append(f"{name}: header line `{tag}` missing at the top")
+        elif not found[tag][1][len(tag):].strip():
+            errors.append(f"{name}:{found[tag][0]}: `{tag}` has no value")
+    first = deck.header[0][1]
+    if not first.startswith(HEADERS[0]):
+        errors.append(f"{name}:1: the first line should be `%title: ...`, got {first!r}")
+    return errors
+
+
+def check_slide(path: Path, slide: Slide) -> list[str]:
+    name, where = _name(path), f"slide {slide.number}"
+    content = slide.content()
+    if not content:
+        first = slide.lines[0][0] if slide.lines else "?"
+        return [f"{name}:{first}: {where} is empty (two separators in a row, "
+                "or a separator at the end of the file?)"]
+    errors = []
+    if len(content) > MAX_LINES:
+        errors.append(
+            f"{name}:{content[0][0]}: {where} has {len(content)} lines "
+            f"(lines {content[0][0]}-{content[-1][0]}), at most {MAX_LINES} fit "
+            "an 80x24 terminal")
+    in_fence = False
+    for lineno, line in content:
+        width = len(line.rstrip())
+        if width > MAX_COLUMNS:
+            errors.append(f"{name}:{lineno}: {where}: line is {width} columns wide, "
+                          f"at most {MAX_COLUMNS}: {line.rstrip()[:40]!r}...")
+        trailing = len(line.rstrip()) - len(line.rstrip().rstrip("\\"))
+        if trailing % 2:
+            errors.append(f"{name}:{lineno}: {where}: a line ending with a backslash "
+                          "garbles the next line in mdp; avoid the continuation")
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if not in_fence and HEADING.match(line) and "`" in line:
+            errors.append(f"{name}:{lineno}: {where}: mdp shows backticks in a "
+                          f"heading literally: {line.strip()!r}")
+        if not in_fence and not line.startswith("    "):
+            for span in CODE_SPAN.finditer(line):
+                before = line[span.start() - 1] if span.start() else " "
+                if not before.isspace():
+                    errors.append(
+                        f"{name}:{lineno}: {where}: inline code {span.group(0)!r} "
+                        f"right after {before!r} shows its backticks in mdp; "
+                        "put a space before it")
+                if "*" in span.group(2):
+                    errors.append(
+                        f"{name}:{lineno}: {where}: `*` inside the inline code "
+                        f"{span.group(0)!r} turns the rest red in mdp; use a "
+                        "fenced code block")
+    if slide.open_fence is not None:
+        lineno, marker = slide.open_fence
+        errors.append(f"{name}:{lineno}: {where}: code fence {marker} opened here "
+                      "is not closed before the end of the slide")
+    return errors
+
+
+def test_decks_found() -> None:
+    assert DECKS, f"no */slides.md found under {ROOT}"
+
+
+def lint(path: Path) -> list[str]:
+    deck = parse_deck(path)
+    errors = check_header(deck) + deck.problems
+    for slide in deck.slides:
+        errors += check_slide(path, slide)
+    return errors
+
+
+@pytest.mark.parametrize("path", DECKS, ids=[_name(p) for p in DECKS])
+def test_slides_render_in_mdp(path: Path) -> None:
+    errors = lint(path)
+    assert not errors, f"{len(errors)} problem(s) in {_name(path)}:\n" + "\n".join(errors)
+
+
+# -- the lint itself, on small decks ------------------------------------------
+GOOD_HEADER = "%title: t\n%author: a\n%date: d\n\n"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("one\n\n---\n\ntwo\n", []),
+    ("```\na\n\n---\n\nb\n```\n", []),  # `---` inside a fence: no break
+    ("one\n---\ntwo\n", ["heading underline"]),
+    ("one\n\n---\n\n---\n\ntwo\n", ["slide 2 is empty"]),
+    ("one\n\n---\n", ["slide 2 is empty"]),
+    ("\n".join(f"l{i}" for i in range(21)) + "\n", ["slide 1 has 21 lines"]),
+    ("x" * 77 + "\n", ["77 columns"]),
+    ("```\ncode\n\n---\n\nmore\n", ["not closed"]),
+    ("use `a * b` here\n", ["`*` inside"]),
+    ("call (`f`) now\n", ["shows its backticks"]),
+    ("# the `f` call\n", ["heading"]),
+    ("```\ncurl a \\\n  -d b\n```\n", ["backslash"]),
+])
+def test_lint_catches(tmp_path: Path, body: str, expected: list[str]) -> None:
+    deck = tmp_path / "slides.md"
+    deck.write_text(GOOD_HEADER + body)
+    errors = lint(deck)
+    assert len(errors) == len(expected), errors
+    for error, fragment in zip(errors, expected):
+        assert fragment in error, (fragment, error)
+
+
+def test_lint_requires_the_header(tmp_path: Path) -> None:
+    deck = tmp_path / "slides.md"
+    deck.write_text("%title: t\n\nbody\n")
+    errors = lint(deck)
+    assert any("%author:" in e for e in errors) and any("%date:" in e for e in errors)
+    deck.write_text("body\n")
+    assert "must start with" in lint(deck)[0]

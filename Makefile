@@ -37,7 +37,7 @@ test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM
-	-$(PY) -m common.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD)
+	-$(PY) -m common.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype float32
 	@echo
 	@echo "One success, one CUDA-style out-of-memory error; the server stayed up."
 	@echo "Chapter 05 survives the same load:  make loadtest CH=05 CLIENTS=2"

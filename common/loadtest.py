@@ -276,8 +276,8 @@ def format_table(summary: dict) -> str:
                           f"{_fmt(summary['e2e_p95_s'], ' s')}"),
     ]
     stats = summary.get("server_stats") or {}
-    if "peak_kv_waste_perc" in stats:
-        rows.append(("server: peak KV waste", f"{stats['peak_kv_waste_perc']:.1f} %"))
+    if "avg_kv_waste_perc" in stats:
+        rows.append(("server: KV waste (avg)", f"{stats['avg_kv_waste_perc']:.1f} %"))
         rows.append(("server: peak running seqs", str(stats.get("peak_running", "-"))))
         rows.append(("server: preemptions", str(stats.get("num_preemptions", "-"))))
     width = max(len(name) for name, _ in rows)

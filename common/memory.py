@@ -73,7 +73,7 @@ class Card:
         self._allocated = 0  # accountant's books (CPU only)
         self._peak = 0
         if self.simulated:
-            gb = device_memory_gb if device_memory_gb is not None else 16.0
+            gb = device_memory_gb if device_memory_gb is not None else 2.0  # CPU default
             self.total_bytes = int(gb * GiB)
         else:
             real = torch.cuda.get_device_properties(device).total_memory
@@ -112,7 +112,8 @@ class Card:
         return torch.OutOfMemoryError(
             f"CUDA out of memory (simulated card: CPU accountant, no real GPU). "
             f"Tried to allocate {format_bytes(nbytes)} for {what}; "
-            f"{format_bytes(self.budget_bytes)} total; "
+            f"{format_bytes(self.budget_bytes)} total (the engine's "
+            f"{self.utilization:.0%} of a {format_bytes(self.total_bytes)} card); "
             f"{format_bytes(self._allocated)} already allocated; "
             f"{format_bytes(self.free_bytes())} free.")
 

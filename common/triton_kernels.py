@@ -19,14 +19,16 @@ Where a token lives: the cache of one layer is `(num_blocks, block_size,
 num_kv_heads, head_dim)`; token `i` of sequence `s` sits in physical block
 `block_tables[s, i // block_size]` at offset `i % block_size`.
 
-The kernels walk the context in *tiles* of `TILE_N` positions. With the
-course's block size 16, a tile is exactly one block. Smaller blocks (1, 2,
-4, 8) are packed several to a tile, because `tl.dot` wants at least 16 rows;
-larger blocks (chapter 03 uses `block_size = max_model_len`, which need not be
-a power of two) are cut into tiles of 64. To allow all of these, a kernel
-looks up the physical block of *each position* of a tile (a gather from
-`block_tables`); when a tile is one block, those lookups all read the same
-entry. vLLM's Triton "unified attention" kernel does the same.
+The kernels walk the context in *tiles* of TILE_N = 16 positions. With the
+course's block size 16, a tile is exactly one block: the loop is "for each
+block of the sequence". Smaller blocks (1, 2, 4, 8) are packed several to a
+tile, because `tl.dot` wants at least 16 rows; larger blocks (chapter 03
+uses `block_size = max_model_len`, which need not be a power of two) are read
+16 positions at a time. To allow all of these, a kernel looks up the physical
+block of *each position* of a tile (a gather from `block_tables`); when a
+tile is one block, those lookups all read the same entry. vLLM's Triton
+"unified attention" kernel does the same. (Tiles of 16 also keep every
+kernel within the registers of one GPU core: bigger tiles spilled.)
 
 Numerics: scores, softmax and the output are accumulated in float32; the
 result is cast back to the query's dtype. float32 inputs use exact float32
@@ -50,11 +52,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile sizes, in tokens. A prefill program handles PREFILL_BLOCK_M new tokens
-# of one sequence; both kernels read the context TILE_N positions at a time.
+# Tile sizes, in tokens. Both attention kernels read the context TILE_N
+# positions at a time (16: one block of the course's block size, and tl.dot's
+# smallest operand); a prefill program handles PREFILL_BLOCK_M new tokens of
+# one sequence, with PREFILL_NUM_WARPS warps (4 spilled registers at
+# head_dim 128; these were checked with Triton's compiler for an H100/H200).
+TILE_N = 16
 PREFILL_BLOCK_M = 64
-MIN_TILE_N = 16  # tl.dot's smallest operand dimension
-MAX_TILE_N = 64  # big blocks (chapter 03's regions) are read in slices
+PREFILL_NUM_WARPS = 8
 
 
 # --------------------------------------------------------------------------
@@ -241,7 +246,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=block_size,
-        TILE_N=_tile_n(block_size),
+        TILE_N=TILE_N,
         HEAD_DIM=head_dim,
     )
     return out
@@ -361,9 +366,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M,
-        TILE_N=_tile_n(block_size),
+        TILE_N=TILE_N,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=PREFILL_NUM_WARPS,
     )
     return out
 
@@ -371,18 +377,6 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # --------------------------------------------------------------------------
 # Helpers of the wrappers
 # --------------------------------------------------------------------------
-
-def _tile_n(block_size: int) -> int:
-    """Context positions read per loop step: one block when the block size is
-    a power of two in [16, 64], else 16 (several small blocks) or 64 (a slice
-    of a big block, or of a block size that is not a power of two)."""
-    is_power_of_two = block_size & (block_size - 1) == 0
-    if block_size < MIN_TILE_N:
-        return MIN_TILE_N
-    if is_power_of_two and block_size <= MAX_TILE_N:
-        return block_size
-    return MAX_TILE_N
-
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32: exact products, not TF32 (so float32 runs match the reference).

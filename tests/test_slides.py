@@ -5,7 +5,8 @@ wider than it are cut. The rules (DESIGN.md, "Slides"):
 
 - the file starts with `%title:`, `%author:` and `%date:` header lines;
 - slides are separated by a line `---` that follows an empty line (a `---`
-  right after text is a heading underline in mdp, not a slide break);
+  right after text is a heading underline in mdp, not a slide break; like
+  mdp, the lint also splits at other rules such as `***` or `-----`);
 - each slide holds at most 20 lines (leading and trailing blank lines not
   counted) of at most 76 columns, and is not empty;
 - code fences (``` or ~~~) open and close within one slide;
@@ -35,12 +36,14 @@ MAX_COLUMNS = 76
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 HEADING = re.compile(r"^(-> *)?#")
+RULE = re.compile(r"^ *([-*])( *\1){2,} *$")  # what mdp takes for a slide break
 
 
 @dataclass
 class Slide:
     number: int  # 1-based
     lines: list[tuple[int, str]] = field(default_factory=list)  # (file line no, text)
+    code: set[int] = field(default_factory=set)  # line numbers inside or on a fence
     open_fence: tuple[int, str] | None = None  # (line no, marker) if left open
 
     def content(self) -> list[tuple[int, str]]:
@@ -69,7 +72,7 @@ def _name(path: Path) -> str:
 
 
 def parse_deck(path: Path) -> Deck:
-    """Split a deck the way mdp does: `---` after an empty line, outside fences."""
+    """Split a deck the way mdp does: a rule after an empty line, outside fences."""
     text = path.read_text(encoding="utf-8").expandtabs(4)  # mdp expands tabs to 4
     all_lines = text.split("\n")
     if all_lines and all_lines[-1] == "":
@@ -88,16 +91,18 @@ def parse_deck(path: Path) -> Deck:
         lineno, line = index + 1, all_lines[index]
         slide = slides[-1]
         match = FENCE.match(line)
-        if fence is None and line.rstrip() == "---":
+        if fence is None and RULE.match(line):
             if not previous.strip():
-                slide.open_fence = None
                 slides.append(Slide(number=len(slides) + 1))
                 previous = line
                 continue
-            problems.append(
-                f"{_name(path)}:{lineno}: slide {slide.number}: `---` right after "
-                "a text line is a heading underline in mdp, not a slide break; "
-                "put an empty line before it")
+            if set(line.strip()) == {"-"}:
+                problems.append(
+                    f"{_name(path)}:{lineno}: slide {slide.number}: `---` right "
+                    "after a text line is a heading underline in mdp, not a slide "
+                    "break; put an empty line before it")
+        if fence is not None or match:
+            slide.code.add(lineno)
         if match:
             marker = match.group(1)
             if fence is None:
@@ -142,7 +147,6 @@ def check_slide(path: Path, slide: Slide) -> list[str]:
             f"{name}:{content[0][0]}: {where} has {len(content)} lines "
             f"(lines {content[0][0]}-{content[-1][0]}), at most {MAX_LINES} fit "
             "an 80x24 terminal")
-    in_fence = False
     for lineno, line in content:
         width = len(line.rstrip())
         if width > MAX_COLUMNS:
@@ -152,13 +156,12 @@ def check_slide(path: Path, slide: Slide) -> list[str]:
         if trailing % 2:
             errors.append(f"{name}:{lineno}: {where}: a line ending with a backslash "
                           "garbles the next line in mdp; avoid the continuation")
-        if FENCE.match(line):
-            in_fence = not in_fence
+        if lineno in slide.code:
             continue
-        if not in_fence and HEADING.match(line) and "`" in line:
+        if HEADING.match(line) and "`" in line:
             errors.append(f"{name}:{lineno}: {where}: mdp shows backticks in a "
                           f"heading literally: {line.strip()!r}")
-        if not in_fence and not line.startswith("    "):
+        if not line.startswith("    "):  # 4 spaces: an indented code block
             for span in CODE_SPAN.finditer(line):
                 before = line[span.start() - 1] if span.start() else " "
                 if not before.isspace():
@@ -204,6 +207,8 @@ GOOD_HEADER = "%title: t\n%author: a\n%date: d\n\n"
     ("one\n\n---\n\ntwo\n", []),
     ("```\na\n\n---\n\nb\n```\n", []),  # `---` inside a fence: no break
     ("one\n---\ntwo\n", ["heading underline"]),
+    ("one\n\n-----\n\ntwo\n", []),  # any rule after an empty line splits
+    ("one\n***\n", []),  # a rule right after text does not split
     ("one\n\n---\n\n---\n\ntwo\n", ["slide 2 is empty"]),
     ("one\n\n---\n", ["slide 2 is empty"]),
     ("\n".join(f"l{i}" for i in range(21)) + "\n", ["slide 1 has 21 lines"]),

@@ -1,0 +1,93 @@
+"""The offline API, like vLLM's `LLM` (ch05).
+
+    from common.llm import LLM
+    from common.sampling import SamplingParams
+    llm = LLM(model="smollm2")
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text)
+
+All prompts are handed to the engine at once; continuous batching runs them
+together, and a tqdm bar counts finished requests. Prompts may be strings,
+token id lists, or (with `LLM.chat`) chat message lists.
+
+Left out: LoRA requests, pooling/embedding models, beam search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.engine import LLMEngine, RequestOutput
+from common.loader import LoadedModel, apply_chat_template
+from common.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class GenerationOutput:
+    """vLLM's RequestOutput shape: `.outputs[0].text`."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", loaded: LoadedModel | None = None,
+                 **engine_args):
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = set(engine_args) - names
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), loaded=loaded)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def _to_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def generate(self, prompts: str | list[int] | list, sampling_params:
+                 SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            self._counter += 1
+            request_id = str(self._counter)
+            self.engine.add_request(request_id, self._to_ids(prompt), p)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [GenerationOutput(
+            rid, prompt if isinstance(prompt, str) else None, finished[rid].prompt_token_ids,
+            [CompletionOutput(0, finished[rid].text, finished[rid].token_ids,
+                              finished[rid].finish_reason)])
+            for rid, prompt in zip(ids, prompts)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[GenerationOutput]:
+        """One conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,32 @@
+"""Helpers for engine tests: build engines on a loaded model, run to the end."""
+from __future__ import annotations
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling import SamplingParams
+
+
+def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, **config):
+    config.setdefault("device_memory_gb", 2.0)
+    return LLMEngine(EngineConfig(**config), policy=policy, loaded=loaded,
+                     num_blocks=num_blocks, block_size_is_max_model_len=contiguous)
+
+
+def run_all(engine, prompts: dict[str, list[int]] | None = None,
+            params: SamplingParams | None = None, on_step=None) -> dict:
+    """Add `prompts` (request id -> token ids), step until done.
+    Returns request id -> final RequestOutput."""
+    for request_id, ids in (prompts or {}).items():
+        engine.add_request(request_id, ids, params or SamplingParams(temperature=0, max_tokens=32))
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        if on_step is not None:
+            on_step(engine)
+    return done
+
+
+def greedy(max_tokens=32, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)

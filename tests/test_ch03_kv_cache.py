@@ -1,0 +1,153 @@
+"""Chapter 03: our forward pass, the contiguous KV cache, the sampler."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+from common.attention import AttentionMetadata
+from common.autoregressive import generate_without_cache
+from common.kv_cache import KVCache
+from common.loader import apply_chat_template
+from common.loadtest import run_load
+from common.memory import Card
+from common.models import build_forward
+from common.sampling import Sampler, SamplingParams, filter_logits
+from tests.conftest import PROMPTS, hf_greedy
+from tests.engine_helpers import greedy, make_engine, run_all
+
+pytestmark = pytest.mark.ch03
+
+TINY = dict(vocab_size=1000, max_position_embeddings=256)
+CONFIGS = {
+    "llama-gqa": LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                             num_attention_heads=6, num_key_value_heads=2, **TINY),
+    "qwen2-bias": Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=False, **TINY),
+    "gpt2": GPT2Config(vocab_size=1000, n_positions=256, n_embd=64, n_layer=2, n_head=4),
+}
+
+
+def our_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """One sequence's prefill through our forward and a paged cache."""
+    num_tokens, block_size = len(token_ids), 16
+    num_blocks = -(-num_tokens // block_size)
+    cache = KVCache(Card(torch.device("cpu")), hf_model.config, num_blocks, block_size,
+                    torch.float32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens), query_start_loc=torch.tensor([0, num_tokens]),
+        context_lens=torch.tensor([num_tokens]),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+        num_decodes=1 if num_tokens == 1 else 0, block_size=block_size)
+    forward = build_forward(hf_model)
+    hidden = forward.forward(torch.tensor(token_ids), torch.arange(num_tokens),
+                             cache.kv_caches, meta)
+    return forward.compute_logits(hidden)  # (num_tokens, vocab)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_forward_matches_hf_on_tiny_random_models(family):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family], dtype=torch.float32).eval()
+    if family == "qwen2-bias":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    ids = torch.randint(0, 1000, (37,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_matches_hf_on_the_embedded_model(embedded):
+    ids = apply_chat_template(embedded.tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        expected = embedded.model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(our_logits(embedded.model, ids), expected, atol=1e-3, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def ch03_engine(embedded):
+    return make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1)
+
+
+def test_ch03_greedy_tokens_equal_hf_generate(embedded, ch03_engine):
+    prompts = {str(i): apply_chat_template(embedded.tokenizer, m) for i, m in enumerate(PROMPTS)}
+    done = run_all(ch03_engine, prompts, greedy(40))
+    for request_id, ids in prompts.items():
+        assert done[request_id].token_ids == hf_greedy(embedded.model, ids, 40)
+    assert ch03_engine.block_manager.num_free_blocks == ch03_engine.block_manager.num_blocks
+
+
+def test_decode_with_cache_equals_recompute_without_cache(embedded, ch03_engine):
+    ids = apply_chat_template(embedded.tokenizer, PROMPTS[2])
+    done = run_all(ch03_engine, {"x": ids}, greedy(32, ignore_eos=True))
+    by_hand, _ = generate_without_cache(embedded.model, ids, 32, temperature=0.0)
+    assert done["x"].token_ids == by_hand and len(by_hand) == 32
+
+
+def test_region_reserved_released_on_finish_and_abort_and_requests_queue(embedded):
+    engine = make_engine(embedded, policy="static", contiguous=True, num_blocks=1,
+                         max_model_len=512, max_num_seqs=4)
+    bm = engine.block_manager
+    assert engine.block_size == 512
+    ids = apply_chat_template(embedded.tokenizer, PROMPTS[0])
+    engine.add_request("a", ids, greedy(8, ignore_eos=True))
+    engine.add_request("b", ids, greedy(8, ignore_eos=True))
+    engine.step()
+    # One region for "a"; "b" queues instead of crashing.
+    assert [s.request_id for s in engine.scheduler.running] == ["a"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
+    usage = engine.kv_usage()
+    assert usage["reserved_slots"] == 512 and usage["used_slots"] == len(ids)
+    assert usage["waste_perc"] == pytest.approx(100 * (512 - len(ids)) / 512)
+    engine.abort("a")
+    assert bm.num_free_blocks == 1
+    done = run_all(engine)
+    assert list(done) == ["b"] and len(done["b"].token_ids) == 8
+    assert bm.num_free_blocks == 1 and engine.stats.finished == {"abort": 1, "length": 1}
+
+
+def test_sampling_seeded_reproducible_alone_or_in_a_batch(embedded):
+    engine = make_engine(embedded, max_num_batched_tokens=256)
+    ids = apply_chat_template(embedded.tokenizer, PROMPTS[1])
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    alone = run_all(engine, {"s": ids}, seeded)["s"].token_ids
+    others = {f"o{i}": apply_chat_template(embedded.tokenizer, PROMPTS[i % 3]) for i in range(3)}
+    for rid, other in others.items():
+        engine.add_request(rid, other, SamplingParams(temperature=1.0, max_tokens=12))
+    in_batch = run_all(engine, {"s2": ids}, seeded)["s2"].token_ids
+    assert alone == in_batch
+
+
+def test_top_k_top_p_never_pick_outside_and_temperature_zero_is_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    allowed_k = set(torch.topk(logits[0], 5).indices.tolist())
+    probs = torch.softmax(logits[0], -1)
+    order = torch.argsort(probs, descending=True)
+    cumulative = torch.cumsum(probs[order], 0)
+    nucleus = set(order[:int((cumulative < 0.5).sum()) + 1].tolist())
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        k = sampler(logits, [SamplingParams(top_k=5)], [gen], [[]], [[]])[0].token_id
+        p = sampler(logits, [SamplingParams(top_p=0.5)], [gen], [[]], [[]])[0].token_id
+        assert k in allowed_k and p in nucleus
+    greedy_pick = sampler(logits, [SamplingParams(temperature=0)], [gen], [[]], [[]])[0]
+    assert greedy_pick.token_id == int(torch.argmax(logits))
+    kept = filter_logits(logits[0], SamplingParams(top_k=3))
+    assert int(torch.isfinite(kept).sum()) == 3
+
+
+@pytest.fixture(scope="module")
+def ch03_server(start_server):
+    server = start_server("03", "--device-memory-gb", "1.1")
+    yield server
+    server.stop()
+
+
+def test_ch03_load_test_on_the_demo_card_queues_instead_of_crashing(ch03_server):
+    for clients in (2, 8):
+        summary = run_load(ch03_server.url, clients, 1, max_tokens=8, timeout=300, deadline=600)
+        assert summary["failed"] == 0 and summary["completed"] == clients
+    stats = summary["server_stats"]
+    assert stats["peak_running"] == 1 and stats["avg_kv_waste_perc"] > 95
+    assert "KV waste" in ch03_server.log_path.read_text()

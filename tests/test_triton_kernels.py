@@ -1,0 +1,226 @@
+"""Chapter 04: the Triton kernels agree with the PyTorch reference.
+
+Without a GPU the kernels run on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1, set below before common.triton_kernels is imported).
+The interpreter is slow, so these cases are small: head_dim 16, a handful of
+heads and sequences. With a GPU, the same comparisons run on CUDA tensors,
+and `test_on_cuda_bfloat16` repeats them in bfloat16 at real head sizes.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+
+
+def use_triton_interpreter() -> None:
+    """Make `@triton.jit` kernels run on the CPU, in Python.
+
+    Triton reads TRITON_INTERPRET when a kernel is *defined*: ours, and also
+    its own library kernels (tl.sum, tl.max, tl.zeros are `@triton.jit`
+    functions, defined when triton.language is imported). If triton was
+    imported before this runs (conftest's imports pull it in through
+    transformers), those are defined again, for the interpreter.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(sys.modules["triton.language"].sum, InterpretedFunction):
+            for name in ("triton.language.standard", "triton.language.random",
+                         "triton.language"):
+                importlib.reload(sys.modules[name])
+        kernels = sys.modules.get("common.triton_kernels")
+        if kernels is not None and not isinstance(kernels._store_kvcache_kernel,
+                                                  InterpretedFunction):
+            importlib.reload(kernels)
+
+
+if not ON_CUDA:
+    use_triton_interpreter()  # before common.triton_kernels defines its kernels
+
+from common import attention as reference  # noqa: E402
+from common import triton_kernels  # noqa: E402
+
+pytestmark = pytest.mark.ch04
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+HEAD_DIM = 16  # small: the interpreter's cost grows with it
+GQA = [pytest.param(4, 4, id="mha-4/4"), pytest.param(3, 9, id="gqa-9/3")]  # (H_kv, H)
+BLOCK_SIZES = [16, 8]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def context_lengths(block_size: int) -> list[int]:
+    """The edges: one token, one short of a block, a block, one over, long."""
+    return [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+
+
+def make_paged_cache(context_lens: list[int], block_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0):
+    """A random cache and block tables whose blocks are shuffled physical
+    blocks (never in order, never contiguous), padded with 0 like the engine's.
+
+    Returns k_cache, v_cache (num_blocks, block_size, H_kv, D),
+    block_tables (num_seqs, max_blocks) int32, context_lens (num_seqs,) int32.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [cdiv(n, block_size) for n in context_lens]
+    num_blocks = sum(blocks_needed) + 3  # a few blocks nobody owns
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(context_lens), max(blocks_needed), dtype=torch.int32)
+    for i, n in enumerate(blocks_needed):
+        block_tables[i, :n] = torch.tensor([physical.pop() for _ in range(n)])
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return (k_cache.to(device), v_cache.to(device), block_tables.to(device),
+            torch.tensor(context_lens, dtype=torch.int32, device=device))
+
+
+def strided_query(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device, seed: int = 1) -> torch.Tensor:
+    """(num_tokens, num_heads, head_dim), a non-contiguous view, as when the
+    model splits one fused qkv projection."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, num_heads + 2, head_dim, generator=gen).to(dtype).to(device)
+    return qkv[:, :num_heads]
+
+
+def reference_in_float32(fn, *tensors_and_args):
+    """The reference on float32 copies: the truth a bfloat16 kernel is held to."""
+    args = [t.float() if torch.is_tensor(t) and t.is_floating_point() else t
+            for t in tensors_and_args]
+    return fn(*args)
+
+
+def check_decode(context_lens: list[int], block_size: int, num_kv_heads: int,
+                 num_heads: int, head_dim: int, dtype: torch.dtype, tol: float) -> None:
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    query = strided_query(len(context_lens), num_heads, head_dim, dtype, DEVICE)
+    scale = head_dim ** -0.5
+    out = triton_kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, lens, scale)
+    expected = reference_in_float32(reference.paged_decode_attention, query, k_cache, v_cache,
+                                    block_tables, lens, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def check_prefill(seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int,
+                  num_heads: int, head_dim: int, dtype: torch.dtype, tol: float) -> None:
+    """seqs: (context_len, query_len) per sequence; the query tokens are the
+    last query_len of the context, the others a cached prefix."""
+    context_lens = [c for c, _ in seqs]
+    query_lens = [q for _, q in seqs]
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    query_start_loc = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    query = strided_query(sum(query_lens), num_heads, head_dim, dtype, DEVICE)
+    scale = head_dim ** -0.5
+    out = triton_kernels.paged_prefill_attention(query, k_cache, v_cache, block_tables,
+                                                 query_start_loc, lens, scale)
+    expected = reference_in_float32(reference.paged_prefill_attention, query, k_cache, v_cache,
+                                    block_tables, query_start_loc, lens, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def prefill_cases(block_size: int) -> list[tuple[int, int]]:
+    """(context_len, query_len): whole prompts, then prompts with a cached
+    prefix; two of them need two tiles of queries (PREFILL_BLOCK_M each)."""
+    m = triton_kernels.PREFILL_BLOCK_M
+    whole = [(n, n) for n in context_lengths(block_size)] + [(m + 6, m + 6)]
+    with_prefix = [(block_size, 3), (block_size + 1, 1), (5 * block_size + 3, block_size + 2),
+                   (m + 6 + block_size, m + 6)]
+    return whole + with_prefix
+
+
+def check_store(num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = cdiv(num_tokens, block_size) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Scattered, distinct slots; key and value are views of one fused tensor.
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = kv[:, :num_kv_heads].to(DEVICE), kv[:, num_kv_heads:].to(DEVICE)
+    slot_mapping = slot_mapping.to(DEVICE)
+
+    k_cache = torch.full(shape, -7.0, dtype=dtype, device=DEVICE)  # -7: "untouched"
+    v_cache = torch.full(shape, -7.0, dtype=dtype, device=DEVICE)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    triton_kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    reference.store_kvcache(key, value, k_expected, v_expected, slot_mapping)
+
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    written = torch.zeros(k_flat.shape[0], dtype=torch.bool, device=DEVICE)
+    written[slot_mapping] = True
+    assert torch.equal(k_flat[slot_mapping], key)
+    assert bool((k_flat[~written] == -7.0).all()), "a slot outside slot_mapping changed"
+
+
+# --- float32, on the interpreter (or on CUDA when there is one) ------------
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_kv_heads,num_heads", GQA)
+def test_decode_matches_reference(block_size, num_kv_heads, num_heads):
+    check_decode(context_lengths(block_size), block_size, num_kv_heads, num_heads,
+                 HEAD_DIM, torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_kv_heads,num_heads", GQA)
+def test_prefill_matches_reference(block_size, num_kv_heads, num_heads):
+    check_prefill(prefill_cases(block_size), block_size, num_kv_heads, num_heads,
+                  HEAD_DIM, torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 12])
+def test_tiny_and_odd_block_sizes(block_size):
+    """Block size 1 (sixteen blocks per tile) and 12 (not a power of two, like
+    chapter 03's max_model_len regions): the kernels look up each position."""
+    check_decode([1, 13, 29], block_size, 3, 9, HEAD_DIM, torch.float32, tol=1e-5)
+    check_prefill([(1, 1), (13, 13), (29, 5)], block_size, 3, 9, HEAD_DIM, torch.float32,
+                  tol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_kv_heads", [3, 4])
+def test_store_kvcache_writes_exactly_the_given_slots(block_size, num_kv_heads):
+    check_store(21, block_size, num_kv_heads, HEAD_DIM, torch.float32)
+
+
+def test_head_dim_not_a_power_of_two_is_refused_clearly():
+    query = torch.zeros(1, 2, 24, device=DEVICE)
+    cache = torch.zeros(2, 16, 2, 24, device=DEVICE)
+    with pytest.raises(AssertionError, match="power of two"):
+        triton_kernels.paged_decode_attention(
+            query, cache, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            torch.ones(1, dtype=torch.int32, device=DEVICE), 1.0)
+
+
+# --- bfloat16 on a real GPU -------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_kv_heads,num_heads", GQA)
+def test_on_cuda_bfloat16(head_dim, block_size, num_kv_heads, num_heads):
+    # Held to the float32 reference on the same (bfloat16) numbers: the
+    # output's rounding and p's cast to bfloat16 before p @ V stay below 2e-2.
+    tol = 2e-2
+    check_decode(context_lengths(block_size) + [700], block_size, num_kv_heads, num_heads,
+                 head_dim, torch.bfloat16, tol)
+    check_prefill(prefill_cases(block_size) + [(700, 300)], block_size, num_kv_heads,
+                  num_heads, head_dim, torch.bfloat16, tol)
+    check_store(300, block_size, num_kv_heads, head_dim, torch.bfloat16)

@@ -117,10 +117,12 @@ def check_decode(kernels, reference, shape: Shape, args, dtype, tol, timing) -> 
 def check_prefill(kernels, reference, shape: Shape, args, dtype, tol, timing) -> Row:
     num_seqs, max_context, block_size, gen = args.seqs, args.max_context, args.block_size, args.gen
     query_lens, context_lens = [], []
+    longest_query = min(args.max_query, max_context)
     for i in range(num_seqs):
-        query_len = int(torch.randint(1, args.max_query + 1, (1,), generator=gen))
+        query_len = int(torch.randint(1, longest_query + 1, (1,), generator=gen))
         # Every other sequence has a cached prefix (prefix caching, a chunk).
-        prefix = int(torch.randint(0, max_context - query_len + 1, (1,), generator=gen)) if i % 2 else 0
+        room = max_context - query_len
+        prefix = int(torch.randint(0, room + 1, (1,), generator=gen)) if i % 2 else 0
         query_lens.append(query_len)
         context_lens.append(prefix + query_len)
     k_cache, v_cache, block_tables, lens = paged_cache(context_lens, block_size, shape, dtype, gen)
@@ -143,8 +145,9 @@ def check_store(kernels, reference, shape: Shape, args, dtype, tol, timing) -> R
     num_blocks = cdiv(num_tokens, block_size) * 2
     cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
     slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
-    key = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim, generator=gen).to(DEVICE, dtype)
-    value = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim, generator=gen).to(DEVICE, dtype)
+    kv_shape = (num_tokens, shape.num_kv_heads, shape.head_dim)
+    key = torch.randn(kv_shape, generator=gen).to(DEVICE, dtype)
+    value = torch.randn(kv_shape, generator=gen).to(DEVICE, dtype)
     caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(4)]
     kernels.store_kvcache(key, value, caches[0], caches[1], slot_mapping)
     reference.store_kvcache(key, value, caches[2], caches[3], slot_mapping)

@@ -162,14 +162,14 @@ class LLMEngine:
         outputs = []
         for item, token in self.runner.run(batch):
             seq = item.seq
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
+            self.stats.prompt_tokens += max(0, min(seq.num_computed_tokens,
+                                                   seq.num_prompt_tokens) - start)
             self.block_manager.cache_full_blocks(seq)
-            if token is None:
-                self.stats.prompt_tokens += item.num_new_tokens
-                continue
-            self.stats.prompt_tokens += item.num_new_tokens - 1
-            self.stats.generation_tokens += 1
-            outputs.append(self._process_token(seq, token))
+            if token is not None:
+                self.stats.generation_tokens += 1
+                outputs.append(self._process_token(seq, token))
         self._update_stats()
         self._maybe_log()
         return outputs

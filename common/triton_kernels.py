@@ -36,8 +36,11 @@ matrix products (`input_precision="ieee"`, not TF32), so they match the
 reference to ~1e-6.
 
 Runs on the CPU too, slowly, under the Triton interpreter: set
-`TRITON_INTERPRET=1` in the environment *before* this module (or triton) is
-imported, and pass CPU tensors (tests/test_triton_kernels.py does that).
+`TRITON_INTERPRET=1` in the environment before triton is first imported
+(triton's own `tl.sum`, `tl.zeros`... are `@triton.jit` functions too) and
+pass CPU tensors; tests/test_triton_kernels.py does that. The interpreter
+cannot multiply bfloat16 matrices (it multiplies their bit patterns), so
+on the CPU only float32 (and float16) can be checked; bfloat16 on a GPU.
 
 Left out, on purpose: split-K / flash-decoding (cutting one long context
 across several programs and merging their partial softmaxes), grouping the
@@ -55,8 +58,9 @@ import triton.language as tl
 # Tile sizes, in tokens. Both attention kernels read the context TILE_N
 # positions at a time (16: one block of the course's block size, and tl.dot's
 # smallest operand); a prefill program handles PREFILL_BLOCK_M new tokens of
-# one sequence, with PREFILL_NUM_WARPS warps (4 spilled registers at
-# head_dim 128; these were checked with Triton's compiler for an H100/H200).
+# one sequence with PREFILL_NUM_WARPS warps (8 * 32 threads: with 4 warps,
+# float32 at head_dim 128 ran out of registers, as Triton's compiler for
+# H100/H200 reported).
 TILE_N = 16
 PREFILL_BLOCK_M = 64
 PREFILL_NUM_WARPS = 8
@@ -113,6 +117,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
+    slot_mapping = slot_mapping.contiguous()  # the kernel indexes it with stride 1
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(),
@@ -240,6 +245,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    # The kernel indexes these with stride 1 along their last dimension.
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     grid = (num_seqs, num_heads)  # one program per (sequence, query head)
     _paged_decode_kernel[grid](
         out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
@@ -356,6 +363,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
     # The grid must cover the longest query (one host sync, as in the reference).
     max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))

@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU tensors; this must be set
+    # before anything imports triton (transformers does).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

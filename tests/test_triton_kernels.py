@@ -150,8 +150,8 @@ def check_store(num_tokens: int, block_size: int, num_kv_heads: int, head_dim: i
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Scattered, distinct slots; key and value are views of one fused tensor.
     slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    key, value = kv[:, :num_kv_heads].to(DEVICE), kv[:, num_kv_heads:].to(DEVICE)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     slot_mapping = slot_mapping.to(DEVICE)
 
     k_cache = torch.full(shape, -7.0, dtype=dtype, device=DEVICE)  # -7: "untouched"
@@ -224,3 +224,42 @@ def test_on_cuda_bfloat16(head_dim, block_size, num_kv_heads, num_heads):
     check_prefill(prefill_cases(block_size) + [(700, 300)], block_size, num_kv_heads,
                   num_heads, head_dim, torch.bfloat16, tol)
     check_store(300, block_size, num_kv_heads, head_dim, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_attention_dispatches_to_triton_on_cuda():
+    """attention.paged_attention on CUDA tensors (store, then decode rows and
+    prefill rows through the Triton kernels) == the reference step by step."""
+    block_size, num_kv_heads, num_heads, head_dim, dtype = 16, 3, 9, 64, torch.bfloat16
+    seqs = [(5, 1), (17, 1), (40, 1), (20, 20), (50, 13)]  # (context_len, query_len)
+    context_lens = [c for c, _ in seqs]
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    # The new tokens are the last query_len positions of each sequence.
+    slots = []
+    for i, (context_len, query_len) in enumerate(seqs):
+        for pos in range(context_len - query_len, context_len):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    num_tokens = len(slots)
+    meta = reference.AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_start_loc=torch.tensor([0] + [q for _, q in seqs], device=DEVICE)
+        .cumsum(0).to(torch.int32),
+        context_lens=lens, block_tables=block_tables, num_decodes=3, block_size=block_size)
+    query = strided_query(num_tokens, num_heads, head_dim, dtype, DEVICE)
+    kv = strided_query(num_tokens, 2 * num_kv_heads, head_dim, dtype, DEVICE, seed=3)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    scale = head_dim ** -0.5
+
+    k32, v32 = k_cache.float(), v_cache.float()  # the reference's copy, before the store
+    out = reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+
+    reference.store_kvcache(key.float(), value.float(), k32, v32, meta.slot_mapping)
+    assert torch.equal(k_cache.float(), k32) and torch.equal(v_cache.float(), v32)
+    q32 = query.float()
+    expected = torch.cat([
+        reference.paged_decode_attention(q32[:3], k32, v32, block_tables[:3], lens[:3], scale),
+        reference.paged_prefill_attention(q32[3:], k32, v32, block_tables[3:],
+                                          meta.query_start_loc[3:] - 3, lens[3:], scale)])
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

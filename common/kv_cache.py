@@ -17,17 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from common.memory import Card, activation_bytes_estimate, format_bytes, kv_bytes_per_token
-
-
-def cache_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a HF config."""
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return layers, kv_heads, head_dim
+from common.memory import (Card, activation_bytes_estimate, format_bytes, kv_bytes_per_token,
+                           kv_cache_shape)
 
 
 @torch.no_grad()
@@ -49,7 +40,7 @@ def measure_activation_bytes(hf_model, num_tokens: int, card: Card) -> int:
 class KVCache:
     def __init__(self, card: Card, config, num_blocks: int, block_size: int,
                  dtype: torch.dtype):
-        self.num_layers, self.num_kv_heads, self.head_dim = cache_shape(config)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape(config)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # kv_caches[layer] = (k_cache, v_cache), each (num_blocks, block_size, H_kv, D)

@@ -29,16 +29,22 @@ GiB = 1024 ** 3
 MiB = 1024 ** 2
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V that one token costs, over all layers.
-
-    2 (K and V) x layers x kv_heads x head_dim x bytes per element.
-    """
+def kv_cache_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a HF config (Llama or GPT-2 names)."""
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V that one token costs, over all layers.
+
+    2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+    """
+    layers, kv_heads, head_dim = kv_cache_shape(config)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * layers * kv_heads * head_dim * element
 

@@ -48,6 +48,7 @@ def main() -> None:
             output = lm.model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids),
                 past_key_values=cache, max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens if req.ignore_eos else 0,
                 do_sample=req.temperature > 0, temperature=req.temperature or None,
                 top_p=req.top_p, eos_token_id=eos, pad_token_id=lm.tokenizer.pad_token_id)
         new_ids = output[0, len(prompt_ids):].tolist()

@@ -9,6 +9,8 @@ Left out: streaming and the rest of the OpenAI API (chapter 06).
 """
 from __future__ import annotations
 
+import logging
+
 from common.config import config_from_args
 from common.engine import AsyncLLMEngine, LLMEngine
 from common.loader import apply_chat_template
@@ -31,6 +33,7 @@ def sampling_params_from_request(req: ChatCompletionRequest, max_tokens: int,
 def main(title: str, policy: str, contiguous: bool = False, max_num_seqs: int | None = None) -> None:
     """Parse the flags, build the engine with the chapter's switches, serve."""
     args = server_parser(title).parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = config_from_args(args)
     if max_num_seqs is not None:
         config.max_num_seqs = max_num_seqs

@@ -363,6 +363,11 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    def num_waiting(self) -> int:
+        """Requests not yet running: in the inbox or the scheduler's queue
+        (read without the step lock: a len() is atomic in CPython)."""
+        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
         self._wakeup.set()

@@ -225,7 +225,7 @@ class ChapterServer:
                 raise RuntimeError(f"{self.chapter} server exited at startup; "
                                    f"log:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass

@@ -4,9 +4,13 @@
   that the official `openai` client parses them with strict validation;
 - errors in OpenAI's envelope `{"error": {"message", "type", "param",
   "code"}}`, including FastAPI's validation errors (422 -> 400);
-- `build_chat_app`: the chat endpoint around a chapter's `generate`.
+- `build_chat_app`: the chat endpoint around a chapter's `generate`;
+- ch06: the text-completion request, streaming chunks and logprobs shapes
+  (`common/api_server.py` serves them).
 
-Left out here: streaming, `/v1/completions`, metrics (chapter 06).
+Left out: tools/function calling, response_format, audio and images,
+`best_of`, `echo`, `suffix`, `logit_bias` (accepted and ignored, like any
+unknown field).
 """
 from __future__ import annotations
 
@@ -97,6 +101,15 @@ class ChatCompletionRequest(SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+# ch06: `prompt` is a string, several strings, token ids, or several lists of ids.
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
 # --------------------------------------------------------------- responses
 class Usage(BaseModel):
     prompt_tokens: int
@@ -109,11 +122,25 @@ class ResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: dict | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -123,6 +150,47 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+# ch06: streaming chunks and text completions.
+class ChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""}, {"content": "..."} or {}
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed chunk of `/v1/completions`."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
@@ -210,13 +278,14 @@ def check_model_name(requested: str | None, served: str) -> None:
                        "not_found_error", "model", "model_not_found")
 
 
-def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int,
+                         param: str = "messages") -> None:
     if prompt_len + max_tokens > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} "
                        f"tokens. However, you requested {prompt_len + max_tokens} tokens "
-                       f"({prompt_len} in the messages, {max_tokens} in the completion). "
-                       "Please reduce the length of the messages or completion.",
-                       param="messages", code="context_length_exceeded")
+                       f"({prompt_len} in the {param}, {max_tokens} in the completion). "
+                       f"Please reduce the length of the {param} or completion.",
+                       param=param, code="context_length_exceeded")
 
 
 def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,

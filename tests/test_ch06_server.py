@@ -1,0 +1,436 @@
+"""Chapter 06: the OpenAI-compatible server, over real HTTP.
+
+`server` is `06-openai-server/server.py` started as a learner would (with
+an API key); `local` is the same app run in this process on the shared
+model, so a test can hold the engine's step lock or make a step fail.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import openai
+import pytest
+import requests
+import uvicorn
+
+from common.api_server import build_app
+from common.engine import AsyncLLMEngine
+from common.loader import apply_chat_template
+from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client
+from tests.engine_helpers import make_engine
+
+pytestmark = pytest.mark.ch06
+
+KEY = "sk-course"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    server = start_server("06", "--device-memory-gb", "1.1", "--api-key", KEY,
+                          "--served-model-name", "course-model")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def stream_client(server):
+    """For streamed text completions only: the SDK's `CompletionChoice` types
+    `finish_reason` as never null, but OpenAI (and vLLM) send null in every
+    chunk but the last, so strict validation would reject OpenAI itself.
+    The wire format is checked with raw requests below."""
+    return openai_client(server.url, strict=False, api_key=KEY)
+
+
+def post(server, path: str, body, headers=AUTH, **kw) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(server.url + path, data=data, timeout=120,
+                         headers={"content-type": "application/json", **headers}, **kw)
+
+
+def sse_events(response: requests.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the blank-line framing."""
+    body = response.text
+    assert body.endswith("\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events[:3]
+    return [e[len("data: "):] for e in events]
+
+
+def chat(client, **kw):
+    kw = {"model": "course-model", "messages": CHAT, "temperature": 0, "max_tokens": 16, **kw}
+    return client.chat.completions.create(**kw)
+
+
+# --------------------------------------------------------------- endpoints
+def test_models_health_version_tokenize_detokenize(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["course-model"]
+    assert requests.get(server.url + "/v1/models", headers=AUTH).json()["data"][0][
+        "max_model_len"] == 8192
+    assert requests.get(server.url + "/health").status_code == 200
+    assert requests.get(server.url + "/version").json()["version"]
+    tokens = post(server, "/tokenize", {"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 2 and tokens["max_model_len"] == 8192
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {
+        "prompt": "Hello world"}
+    chat_tokens = post(server, "/tokenize", {"messages": CHAT}).json()
+    assert chat_tokens["count"] > tokens["count"]
+
+
+def test_chat_equals_hf_generate(server, client, embedded):
+    prompt_ids = apply_chat_template(embedded.tokenizer, PROMPTS[1])
+    reference = embedded.tokenizer.decode(hf_greedy(embedded.model, prompt_ids, 24),
+                                          skip_special_tokens=True)
+    answer = chat(client, messages=PROMPTS[1], max_tokens=24)
+    assert answer.choices[0].message.content == reference
+    assert answer.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_completions_equal_hf_generate(client, embedded):
+    prompt = "The three primary colors are"
+    ids = embedded.tokenizer(prompt)["input_ids"]
+    reference = embedded.tokenizer.decode(hf_greedy(embedded.model, ids, 12),
+                                          skip_special_tokens=True)
+    answer = client.completions.create(model="course-model", prompt=prompt, max_tokens=12,
+                                       temperature=0)
+    assert answer.choices[0].text == reference and answer.object == "text_completion"
+    by_ids = client.completions.create(model="course-model", prompt=ids, max_tokens=12,
+                                       temperature=0)
+    assert by_ids.choices[0].text == reference
+
+
+def test_metrics_have_vllm_names(server, client):
+    chat(client, max_tokens=4)
+    text = requests.get(server.url + "/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_sum"]:
+        assert name in text, name
+    assert 'finished_reason="length",model_name="course-model"' in text
+
+
+# --------------------------------------------------------------- streaming
+def test_chat_stream_wire_format_and_order(server):
+    response = post(server, "/v1/chat/completions", {
+        "model": "course-model", "messages": CHAT, "temperature": 0, "max_tokens": 8,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0] is chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    contents = [c["choices"][0]["delta"]["content"] for c in chunks[1:-2]]
+    assert all(contents)
+
+
+def test_stream_text_equals_non_stream_text(client, stream_client):
+    whole = chat(client, max_tokens=24).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, max_tokens=24,
+                                                                      stream=True))
+    assert streamed == whole
+    whole = client.completions.create(model="course-model", prompt="Once upon a time",
+                                      max_tokens=20, temperature=0).choices[0].text
+    streamed = "".join(c.choices[0].text for c in stream_client.completions.create(
+        model="course-model", prompt="Once upon a time", max_tokens=20, temperature=0,
+        stream=True))
+    assert streamed == whole
+
+
+def test_include_usage_on_completions(server, stream_client):
+    chunks = list(stream_client.completions.create(
+        model="course-model", prompt="Hello", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+    events = sse_events(post(server, "/v1/completions", {
+        "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and all(c["object"] == "text_completion" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [
+        "length"]
+
+
+# -------------------------------------------------------------- parameters
+def test_n_choices(client):
+    answer = chat(client, n=2, temperature=0.8, seed=3, max_tokens=8,
+                  extra_body={"ignore_eos": True})
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert answer.usage.completion_tokens == 2 * 8
+    chunks = list(chat(client, n=2, max_tokens=6, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    greedy = chat(client, max_tokens=6).choices[0].message.content
+    assert texts == {0: greedy, 1: greedy}
+
+
+def test_stop_strings_across_token_boundaries_never_leak(client, embedded):
+    full = chat(client, max_tokens=16).choices[0].message.content  # "The capital of France is Paris."
+    ids = embedded.tokenizer(full, add_special_tokens=False)["input_ids"]
+    boundary = len(embedded.tokenizer.decode(ids[:2]))  # the end of the second token
+    stop = full[boundary - 2:boundary + 2]  # two characters each side of it
+    expected = full[:full.index(stop)]
+    answer = chat(client, max_tokens=16, stop=[stop, "zzz"])
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, max_tokens=16, stop=stop, stream=True))
+    assert streamed == expected
+    text = client.completions.create(model="course-model", prompt="One, two, three,",
+                                     max_tokens=16, temperature=0, stop=[","]).choices[0].text
+    assert "," not in text
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return chat(client, temperature=1.0, seed=seed, max_tokens=16).choices[0].message.content
+    assert sample(11) == sample(11)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_logprobs(client):
+    answer = chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert bytes(entry.bytes).decode() == entry.token
+    assert "".join(e.token for e in content) == answer.choices[0].message.content
+    text = client.completions.create(model="course-model", prompt="The sky is", max_tokens=4,
+                                     temperature=0, logprobs=2).choices[0]
+    assert len(text.logprobs.tokens) == 4 and len(text.logprobs.top_logprobs[0]) == 2
+    assert text.logprobs.text_offset[0] == 0 and "".join(text.logprobs.tokens) == text.text
+
+
+def test_vllm_extras_and_unknown_fields(server):
+    response = post(server, "/v1/chat/completions", {
+        "model": "course-model", "messages": CHAT, "max_completion_tokens": 12,
+        "temperature": 0.7, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+        "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 12,
+        "ignore_eos": True, "stop_token_ids": [], "user": "learner", "seed": 1,
+        "some_future_field": {"x": 1}})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 12
+
+
+# ------------------------------------------------------------------ errors
+def assert_error(response: requests.Response, status: int, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param != "any":
+        assert error["param"] == param
+    return error
+
+
+def test_bad_input_gets_400_with_param(server):
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "temperature": 9}),
+                 400, "temperature")
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "n": "two"}), 400, "n")
+    assert_error(post(server, "/v1/chat/completions", b'{"messages": [}'), 400, None)
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    assert_error(post(server, "/v1/completions", {"prompt": ""}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"prompt": []}), 400, "prompt")
+    error = assert_error(post(server, "/v1/chat/completions",
+                              {"messages": CHAT, "max_tokens": 9000}), 400, "messages")
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+    assert_error(post(server, "/v1/chat/completions",
+                      {"messages": CHAT, "top_logprobs": 2}), 400, "top_logprobs")
+
+
+def test_unknown_model_404_and_api_key_401(server, client):
+    assert_error(post(server, "/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}),
+                 404, "model")
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="gpt-4o")
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT}, headers={}), 401)
+    assert_error(post(server, "/v1/models", {}, headers={"Authorization": "Bearer no"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(server.url, api_key="wrong").models.list()
+    assert requests.get(server.url + "/health").status_code == 200  # not under /v1
+
+
+def test_junk_body_of_2_mb_gets_413_and_the_server_stays_healthy(server, client):
+    junk = b"x" * (2 * 1024 * 1024)
+    assert_error(post(server, "/v1/chat/completions", junk), 413)
+    assert_error(post(server, "/v1/completions", junk, headers={**AUTH, "content-length": ""}),
+                 413)
+    assert requests.get(server.url + "/health").status_code == 200
+    assert chat(client, max_tokens=4).choices[0].message.content
+
+
+# ------------------------------------------------------------- concurrency
+def test_24_concurrent_mixed_requests(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                    _strict_response_validation=True)
+
+        async def one(i: int):
+            kw = dict(model="course-model", messages=PROMPTS[i % 3], max_tokens=8,
+                      temperature=0)
+            if i % 2:
+                chunks = [c async for c in await client.chat.completions.create(
+                    stream=True, **kw)]
+                return chunks[0].id, "".join(c.choices[0].delta.content or ""
+                                             for c in chunks if c.choices)
+            answer = await client.chat.completions.create(**kw)
+            return answer.id, answer.choices[0].message.content
+
+        return await asyncio.gather(*[one(i) for i in range(24)])
+
+    results = asyncio.run(run())
+    assert len({request_id for request_id, _ in results}) == 24
+    for i, (_, text) in enumerate(results):
+        assert text and text == results[i % 6][1]  # same prompt: same greedy text
+
+
+def metric(server, name: str) -> float:
+    for line in requests.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_closed_streams_are_aborted_and_free_their_blocks(server):
+    def open_and_close():
+        response = post(server, "/v1/chat/completions", {
+            "messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+            stream=True)
+        lines = response.iter_lines()
+        for _ in range(2):
+            next(line for line in lines if line)  # two chunks
+        response.close()
+
+    threads = [threading.Thread(target=open_and_close) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (metric(server, "vllm:num_requests_running") == 0
+                and metric(server, "vllm:kv_cache_usage_perc") == 0):
+            break
+        time.sleep(0.2)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert requests.get(server.url + "/stats").json()["finished"]["abort"] >= 6
+
+
+# ------------------------------------------------- in-process: fault injection
+class LocalServer:
+    """The chapter 06 app on a fresh engine over the shared model, served by
+    uvicorn in a thread of this process."""
+
+    def __init__(self, loaded, **app_kw):
+        self.engine = AsyncLLMEngine(make_engine(loaded, num_blocks=64))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(build_app(self.engine, "local", **app_kw), host="127.0.0.1",
+                                port=port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def local(embedded):
+    server = LocalServer(embedded, max_waiting=2)
+    yield server
+    server.stop()
+
+
+def local_chat(server, max_tokens=4, **kw) -> requests.Response:
+    return post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": max_tokens,
+                                                 "temperature": 0, **kw}, headers={})
+
+
+def test_queue_full_gets_503_and_the_queued_requests_finish(local):
+    results = []
+    with local.engine._lock:  # the engine loop cannot step: requests pile up
+        threads = [threading.Thread(target=lambda: results.append(local_chat(local)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        while local.engine.num_waiting() < 2:
+            time.sleep(0.05)
+        error = assert_error(local_chat(local), 503)
+        assert "overloaded" in error["message"]
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200, 200]
+
+
+def test_internal_error_gives_500_and_the_engine_keeps_serving(local):
+    runner = local.engine.engine.runner
+    original = runner.run
+
+    def broken(batch):
+        runner.run = original  # fail once
+        raise RuntimeError("simulated kernel failure")
+
+    runner.run = broken
+    error = assert_error(local_chat(local), 500)
+    assert "simulated kernel failure" in error["message"]
+    assert local_chat(local).status_code == 200
+    assert local.engine.engine.block_manager.num_free_blocks == 64
+
+
+def test_error_after_the_stream_started_is_an_sse_error_event(local):
+    runner = local.engine.engine.runner
+    original, calls = runner.run, []
+
+    def fails_on_third_step(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            runner.run = original
+            raise RuntimeError("simulated failure mid-stream")
+        return original(batch)
+
+    runner.run = fails_on_third_step
+    events = sse_events(local_chat(local, max_tokens=16, stream=True))
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "simulated failure mid-stream" in error["message"]
+    assert json.loads(events[1])["choices"][0]["delta"]["content"]  # tokens came first
+    assert local_chat(local).status_code == 200
+
+
+def test_health_is_503_when_the_engine_loop_died(local):
+    def dies(*_):
+        raise SystemExit("simulated loop death")  # not an Exception: the loop ends
+
+    local.engine.engine.step = dies
+    local.engine.abort("nothing")  # wake the loop up
+    local.engine._thread.join(timeout=10)
+    assert_error(requests.get(local.url + "/health"), 503)
+    assert_error(local_chat(local), 503)

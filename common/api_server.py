@@ -439,10 +439,10 @@ def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
                 yield event
         except Exception as exc:  # noqa: BLE001 - the headers are already sent
             log.exception("error while streaming")
-            status = exc.status if isinstance(exc, APIError) else 500
-            kind = exc.type if isinstance(exc, APIError) else "internal_server_error"
-            yield sse({"error": {"message": str(exc), "type": kind, "param": None,
-                                 "code": status}})
+            api = exc if isinstance(exc, APIError) else APIError(
+                500, f"{type(exc).__name__}: {exc}", "internal_server_error")
+            yield sse({"error": {"message": api.message, "type": api.type,
+                                 "param": api.param, "code": api.code}})
         finally:
             await chunks.aclose()
         yield sse("[DONE]")

@@ -56,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--load-format", default=d.load_format,
                    choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config")
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when a GPU is present, else cpu")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion (default: the model's)")
     p.add_argument("--device-memory-gb", type=float, default=None,

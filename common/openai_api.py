@@ -357,7 +357,7 @@ def server_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     add_engine_args(parser)
     return parser
 

@@ -29,7 +29,6 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Union
 
 import torch
@@ -41,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common import __version__
 from common.config import config_from_args
 from common.engine import AsyncLLMEngine, LLMEngine, RequestOutput
+from common.engine_server import sampling_params_from_request
 from common.loader import apply_chat_template
 from common.metrics import Metrics
 from common.openai_api import (APIError, ChatChoice, ChatCompletionChunk,
@@ -208,10 +208,11 @@ class OpenAIServing:
                            f"waiting (--max-waiting {self.max_waiting}). Retry later.",
                            "server_error", code="server_overloaded")
 
-    def sampling_params(self, req: SamplingFields, prompt_ids: list[int],
+    def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
                         logprobs: int | None, param: str) -> SamplingParams:
-        """The engine's SamplingParams for one prompt; max_tokens defaults
-        to whatever fits in max_model_len."""
+        """The engine's SamplingParams for one choice. max_tokens defaults to
+        whatever fits in max_model_len; sample k of a seeded request gets
+        seed + k, so the n choices differ yet replay the same."""
         max_tokens = req.max_tokens
         if isinstance(req, ChatCompletionRequest):
             max_tokens = req.requested_max_tokens()
@@ -219,14 +220,7 @@ class OpenAIServing:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
         check_context_length(len(prompt_ids), max_tokens, self.max_model_len, param)
         try:
-            params = SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_p=req.min_p, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty, seed=req.seed,
-                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                logprobs=logprobs)
+            params = sampling_params_from_request(req, max_tokens, sample, logprobs)
             self.engine.engine.check_request(prompt_ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
@@ -234,20 +228,14 @@ class OpenAIServing:
 
     def start(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
               logprobs: int | None, param: str) -> list[AsyncIterator[RequestOutput]]:
-        """Validate everything first, then start n engine requests per prompt.
-        Choice k = prompt k // n, sample k % n (its own seed: seed + k % n)."""
+        """Validate everything first, then one engine request per choice:
+        choice k is sample k % n of prompt k // n."""
         check_model_name(req.model, self.model_name)
-        all_params = [self.sampling_params(req, ids, logprobs, param) for ids in prompts]
-        self.check_ready(len(prompts) * req.n)
-        streams = []
-        for ids, params in zip(prompts, all_params):
-            for sample in range(req.n):
-                choice_params = params
-                if params.seed is not None:
-                    choice_params = replace(params, seed=params.seed + sample)
-                streams.append(self._tracked(self.engine.generate(
-                    f"{request_id}-{len(streams)}", ids, choice_params)))
-        return streams
+        choices = [(ids, self.sampling_params(req, ids, sample, logprobs, param))
+                   for ids in prompts for sample in range(req.n)]
+        self.check_ready(len(choices))
+        return [self._tracked(self.engine.generate(f"{request_id}-{k}", ids, params))
+                for k, (ids, params) in enumerate(choices)]
 
     async def _tracked(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker()

@@ -14,20 +14,21 @@ import logging
 from common.config import config_from_args
 from common.engine import AsyncLLMEngine, LLMEngine
 from common.loader import apply_chat_template
-from common.openai_api import (APIError, ChatCompletionRequest, Completion,
+from common.openai_api import (APIError, ChatCompletionRequest, Completion, SamplingFields,
                                build_chat_app, new_id, run_server, server_parser)
 from common.sampling import SamplingParams
 
 
-def sampling_params_from_request(req: ChatCompletionRequest, max_tokens: int,
-                                 seed_offset: int = 0) -> SamplingParams:
+def sampling_params_from_request(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
+                                 logprobs: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams from an OpenAI request (ch03-06)."""
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
         seed=None if req.seed is None else req.seed + seed_offset,
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
-        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs)
 
 
 def main(title: str, policy: str, contiguous: bool = False, max_num_seqs: int | None = None) -> None:

@@ -29,6 +29,7 @@ import json
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Union
 
 import torch
@@ -39,10 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common import __version__
 from common.config import config_from_args
-from common.engine import AsyncLLMEngine, LLMEngine, RequestOutput
+from common.engine import AsyncLLMEngine, LLMEngine, RequestOutput, RequestStream
 from common.engine_server import sampling_params_from_request
 from common.loader import apply_chat_template
-from common.metrics import Metrics
+from common.metrics import Metrics, RequestTracker
 from common.openai_api import (APIError, ChatChoice, ChatCompletionChunk,
                                ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                ChatMessage, ChunkChoice, CompletionChoice,
@@ -131,21 +132,34 @@ class APIKeyCheck:
 
 
 # ------------------------------------------------------ streams of choices
-async def merge_choices(streams: list[AsyncIterator[RequestOutput]]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+@dataclass
+class Choice:
+    """One of a response's n choices: an engine request and its latency tracker."""
+    stream: RequestStream
+    tracker: RequestTracker
+
+
+def close_all(choices: list[Choice]) -> None:
+    """Abort whatever has not finished (a no-op for finished choices)."""
+    for choice in choices:
+        choice.stream.close()
+
+
+async def merge_choices(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the choices' outputs as they come: (choice index, output).
-    Closing this iterator cancels every choice, which aborts its request."""
+    Closing this iterator aborts every unfinished choice."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(index: int, choice: Choice) -> None:
         try:
-            async for output in stream:
+            async for output in choice.stream:
+                choice.tracker.on_output(output)
                 queue.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((index, exc))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    remaining = len(choices)
     try:
         while remaining:
             index, item = await queue.get()
@@ -157,6 +171,7 @@ async def merge_choices(streams: list[AsyncIterator[RequestOutput]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        close_all(choices)
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable):
@@ -195,6 +210,8 @@ class OpenAIServing:
         self.max_waiting = max_waiting
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        block_manager = engine.engine.block_manager
+        self.cache_tokens = block_manager.num_blocks * block_manager.block_size
         self.metrics = Metrics(engine.snapshot, model_name)
 
     # -------------------------------------------------------- validation
@@ -202,7 +219,7 @@ class OpenAIServing:
         if not self.engine.alive:
             raise APIError(503, "The engine is not running; see the server log.",
                            "server_error", code="engine_dead")
-        waiting = self.engine.num_waiting()
+        waiting = self.engine.num_waiting()  # exact: add_request queues at once
         if waiting + num_new > self.max_waiting:  # backpressure, not unbounded memory
             raise APIError(503, f"The server is overloaded: {waiting} requests are "
                            f"waiting (--max-waiting {self.max_waiting}). Retry later.",
@@ -216,8 +233,8 @@ class OpenAIServing:
         max_tokens = req.max_tokens
         if isinstance(req, ChatCompletionRequest):
             max_tokens = req.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(prompt_ids))
+        if max_tokens is None:  # what fits in the context, and in the whole cache
+            max_tokens = max(1, min(self.max_model_len, self.cache_tokens) - len(prompt_ids))
         check_context_length(len(prompt_ids), max_tokens, self.max_model_len, param)
         try:
             params = sampling_params_from_request(req, max_tokens, sample, logprobs)
@@ -227,24 +244,25 @@ class OpenAIServing:
         return params
 
     def start(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
-              logprobs: int | None, param: str) -> list[AsyncIterator[RequestOutput]]:
-        """Validate everything first, then one engine request per choice:
-        choice k is sample k % n of prompt k // n."""
+              logprobs: int | None, param: str) -> list[Choice]:
+        """Validate everything first, then queue one engine request per
+        choice: choice k is sample k % n of prompt k // n."""
         check_model_name(req.model, self.model_name)
-        choices = [(ids, self.sampling_params(req, ids, sample, logprobs, param))
-                   for ids in prompts for sample in range(req.n)]
-        self.check_ready(len(choices))
-        return [self._tracked(self.engine.generate(f"{request_id}-{k}", ids, params))
-                for k, (ids, params) in enumerate(choices)]
-
-    async def _tracked(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        tracker = self.metrics.tracker()
-        async for output in stream:
-            tracker.on_output(output)
-            yield output
+        prepared = [(ids, self.sampling_params(req, ids, sample, logprobs, param))
+                    for ids in prompts for sample in range(req.n)]
+        self.check_ready(len(prepared))
+        return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params),
+                       self.metrics.tracker())
+                for k, (ids, params) in enumerate(prepared)]
 
     # ------------------------------------------------------------ inputs
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if req.tools:
+            raise APIError(400, "Tool calling is not supported by this server.",
+                           param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "Only response_format {\"type\": \"text\"} is supported "
+                           "(no JSON mode, no structured output).", param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.",
                            param="top_logprobs")
@@ -302,22 +320,29 @@ class OpenAIServing:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
 
-    async def final_outputs(self, streams: list[AsyncIterator[RequestOutput]]
-                            ) -> list[RequestOutput]:
-        last: dict[int, RequestOutput] = {}
-        async for index, output in merge_choices(streams):
-            last[index] = output
-        return [last[i] for i in range(len(streams))]
+    @staticmethod
+    async def final_outputs(request: Request, choices: list[Choice]) -> list[RequestOutput]:
+        """Each choice's last output, for a non-streaming answer."""
+        async def collect() -> list[RequestOutput]:
+            last: dict[int, RequestOutput] = {}
+            async for index, output in merge_choices(choices):
+                last[index] = output
+            return [last[i] for i in range(len(choices))]
+
+        try:
+            return await cancel_on_disconnect(request, collect())
+        finally:
+            close_all(choices)
 
     # --------------------------------------------------------- chat
     async def chat(self, req: ChatCompletionRequest, request: Request):
         prompt = self.chat_prompt(req)
         request_id = new_id("chatcmpl")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        streams = self.start(request_id, [prompt], req, logprobs, "messages")
+        choices = self.start(request_id, [prompt], req, logprobs, "messages")
         if req.stream:
-            return event_stream(self.chat_chunks(request_id, [prompt], req, streams))
-        outputs = await cancel_on_disconnect(request, self.final_outputs(streams))
+            return event_stream(self.chat_chunks(request_id, [prompt], req, choices), choices)
+        outputs = await self.final_outputs(request, choices)
         choices = [ChatChoice(index=i, message=ResponseMessage(content=o.text),
                               finish_reason=o.finish_reason,
                               logprobs=self.chat_logprobs(o.logprobs) if req.logprobs else None)
@@ -328,19 +353,19 @@ class OpenAIServing:
 
     async def chat_chunks(self, request_id: str, prompts: list[list[int]],
                           req: ChatCompletionRequest,
-                          streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+                          choices: list[Choice]) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created,
                                            model=self.model_name, choices=choices, usage=usage))
 
-        for i in range(len(streams)):
+        for i in range(len(choices)):
             yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
-        sent_text = [0] * len(streams)  # characters already sent, per choice
-        sent_logprobs = [0] * len(streams)
+        sent_text = [0] * len(choices)  # characters already sent, per choice
+        sent_logprobs = [0] * len(choices)
         completion_tokens = 0
-        async for i, out in merge_choices(streams):
+        async for i, out in merge_choices(choices):
             text = out.text[sent_text[i]:]
             new_logprobs = out.logprobs[sent_logprobs[i]:] if req.logprobs else []
             if text or new_logprobs:
@@ -358,10 +383,11 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, request: Request):
         prompts = self.completion_prompts(req)
         request_id = new_id("cmpl")
-        streams = self.start(request_id, prompts, req, req.logprobs, "prompt")
+        choices = self.start(request_id, prompts, req, req.logprobs, "prompt")
         if req.stream:
-            return event_stream(self.completion_chunks(request_id, prompts, req, streams))
-        outputs = await cancel_on_disconnect(request, self.final_outputs(streams))
+            return event_stream(self.completion_chunks(request_id, prompts, req, choices),
+                                choices)
+        outputs = await self.final_outputs(request, choices)
         choices = [CompletionChoice(
             index=i, text=o.text, finish_reason=o.finish_reason,
             logprobs=None if req.logprobs is None else self.completion_logprobs(o.logprobs, 0))
@@ -372,18 +398,17 @@ class OpenAIServing:
 
     async def completion_chunks(self, request_id: str, prompts: list[list[int]],
                                 req: CompletionRequest,
-                                streams: list[AsyncIterator[RequestOutput]]
-                                ) -> AsyncIterator[str]:
+                                choices: list[Choice]) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             return sse(CompletionResponse(id=request_id, created=created,
                                           model=self.model_name, choices=choices, usage=usage))
 
-        sent_text = [0] * len(streams)
-        sent_logprobs = [0] * len(streams)
+        sent_text = [0] * len(choices)
+        sent_logprobs = [0] * len(choices)
         completion_tokens = 0
-        async for i, out in merge_choices(streams):
+        async for i, out in merge_choices(choices):
             text = out.text[sent_text[i]:]
             new_logprobs = out.logprobs[sent_logprobs[i]:] if req.logprobs is not None else []
             if text or new_logprobs or out.finished:
@@ -415,11 +440,11 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(self.checked_ids(req.tokens, "tokens"))}
 
 
-def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(chunks: AsyncIterator[str], choices: list[Choice]) -> StreamingResponse:
     """SSE around a chunk generator: an error after the stream started goes
     out as a `data: {"error": ...}` event; `data: [DONE]` always ends it.
-    When the client hangs up, Starlette stops iterating and closes the
-    generator, which closes `merge_choices`, which aborts the requests."""
+    When the client hangs up, Starlette stops iterating and closes this
+    generator, which aborts the choices that have not finished."""
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -433,6 +458,7 @@ def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
                                  "param": api.param, "code": api.code}})
         finally:
             await chunks.aclose()
+            close_all(choices)
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream",

@@ -336,32 +336,29 @@ class AsyncLLMEngine:
             self.engine.abort(request_id)
             self._send(request_id, RuntimeError(f"internal engine error: {exc!r}"))
 
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> "RequestStream":
+        """Queue a request for the engine loop now; read its outputs from the
+        returned stream. Raises ValueError at once for what can never run."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
+        self._inbox.put(("add", request_id, (prompt_token_ids, params)))
+        self._wakeup.set()
+        return stream
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per new token; the last has finished=True.
         Closing the iterator early (client gone) aborts the request."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
-        self.engine.check_request(prompt_token_ids, params)
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", request_id, (prompt_token_ids, params)))
-        self._wakeup.set()
-        finished = False
+        stream = self.add_request(request_id, prompt_token_ids, params)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def num_waiting(self) -> int:
         """Requests not yet running: in the inbox or the scheduler's queue
@@ -375,3 +372,37 @@ class AsyncLLMEngine:
     def snapshot(self) -> dict:
         with self._lock:
             return self.engine.snapshot()
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator. `close()` before the
+    end aborts the request (its blocks are freed at the next step)."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finished:
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self.finished = True
+        self.engine._streams.pop(self.request_id, None)
+
+    def close(self) -> None:
+        if not self.finished:
+            self._end()
+            self.engine.abort(self.request_id)

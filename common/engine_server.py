@@ -23,7 +23,9 @@ def sampling_params_from_request(req: SamplingFields, max_tokens: int, seed_offs
                                  logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from an OpenAI request (ch03-06)."""
     return SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k if req.top_k > 0 else -1,  # 0 and -1 both mean off, as in vLLM
+        min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
         seed=None if req.seed is None else req.seed + seed_offset,

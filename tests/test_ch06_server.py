@@ -259,6 +259,11 @@ def test_bad_input_gets_400_with_param(server):
     assert error["code"] == "context_length_exceeded"
     assert_error(post(server, "/v1/chat/completions",
                       {"messages": CHAT, "top_logprobs": 2}), 400, "top_logprobs")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "tools": [tool]}),
+                 400, "tools")
+    assert_error(post(server, "/v1/chat/completions", {
+        "messages": CHAT, "response_format": {"type": "json_object"}}), 400, "response_format")
 
 
 def test_unknown_model_404_and_api_key_401(server, client):
@@ -434,3 +439,12 @@ def test_health_is_503_when_the_engine_loop_died(local):
     local.engine._thread.join(timeout=10)
     assert_error(requests.get(local.url + "/health"), 503)
     assert_error(local_chat(local), 503)
+
+
+def test_default_max_tokens_fits_a_small_cache(local):
+    """64 blocks of 16 = 1024 tokens, less than the model's 8192: the default
+    max_tokens is what fits in the cache, not a refusal."""
+    answer = post(local, "/v1/chat/completions", {"messages": CHAT, "temperature": 0},
+                  headers={})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "stop"

@@ -18,7 +18,23 @@ CARD        ?= $(DEMO_CARD)
 STREAM      ?=
 PORT        ?= 8000
 
-.PHONY: help setup test demo-oom loadtest serve slides clean
+# `make bench` knobs (common/bench.py): an empty one keeps the preset's value.
+# QUICK=1 (2 min) PEERS=1 (+ transformers) CHAPTERS="02 05" BENCH_CARD=1.1
+# ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); CLIENTS
+# ("1 4 16" runs each), REQUESTS and MAX_TOKENS count only when given.
+QUICK       ?=
+PEERS       ?=
+CHAPTERS    ?=
+BENCH_CARD  ?=
+ROOMY_CARD  ?=
+DEADLINE    ?=
+given        = $(if $(filter command% environment%,$(origin $(1))),$(2) $($(1)))
+BENCH_ARGS   = $(if $(PEERS),--peers) $(if $(CHAPTERS),--chapters $(CHAPTERS)) \
+  $(if $(BENCH_CARD),--card $(BENCH_CARD)) $(if $(ROOMY_CARD),--roomy-card $(ROOMY_CARD)) \
+  $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
+  $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
+
+.PHONY: help setup test demo-oom loadtest serve slides clean bench bench-sweep bench-gpu
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -48,6 +64,15 @@ loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 STREAM=1
 
 serve: $(STAMP) ## CH=05 PORT=8000: run one chapter's server
 	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT)
+
+bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 ...)
+	$(PY) -m common.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
+
+bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05/06: bench/sweep.png
+	$(PY) -m common.bench --preset $(if $(QUICK),sweep-quick,sweep) $(BENCH_ARGS)
+
+bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, with peers (< 8 min)
+	$(PY) -m common.bench --preset gpu $(BENCH_ARGS)
 
 slides: ## CH=01: show a chapter's slides in mdp
 	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md

@@ -1,0 +1,602 @@
+"""`make bench`: every chapter on the same card and the same load (bench).
+
+    python -m common.bench                  # chapters 01-06, demo card (~10 min, 2-core CPU)
+    python -m common.bench --preset quick   # the same in about 2 minutes
+    python -m common.bench --peers          # + transformers' own ways (common/peers.py)
+    python -m common.bench --preset sweep   # tokens/s and p95 latency vs clients
+    python -m common.bench --preset gpu     # CUDA, dummy Llama-1B in bfloat16
+
+For each chapter it starts the chapter's server on the card
+(`common.loadtest.ChapterServer`), runs the load test on it
+(`common.loadtest.run_load`, once per number of clients, fewest first),
+reads the server's `/stats`, stops the server and moves on. Chapter 02
+runs twice: on the demo card, where it fails by design (its failures are
+rows of the table, not a crash of the bench), and on a roomy card, so that
+its throughput is measured at all. Chapter 01 recomputes the whole sequence
+for every token, so it gets a lighter load, and its row says so. A chapter
+whose `server.py` is not written yet is skipped, and its row says so.
+
+The figures follow vLLM's benchmark definitions (common/loadtest.py):
+output tokens/s, requests/s, TTFT, TPOT, ITL, end-to-end latency, plus the
+server's KV memory reserved vs used, waste, peak running sequences and
+preemptions. TTFT, TPOT and ITL need streaming: only chapter 06 streams
+(and `hf-generate-batch` timestamps its tokens).
+
+Outputs: `bench/results/<date>-<host>[-preset].json` (the machine, the
+settings, one row per system and load with every figure), the markdown
+table beside it (`.md`, also printed) and a figure under `bench/`
+(`chapters.png`, `sweep.png` for the sweep, `chapters-gpu.png`).
+
+Left out: repeated runs and error bars (one run per row, on a shared
+machine throughput varies run to run), open-loop arrival rates, prompt
+length distributions, and the KV figures of chapters 01-02 (their servers
+have no `/stats`). With several loads on one server (sweep, GPU), the
+peaks and the average waste of `/stats` are since the server started.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from common.loader import load_model
+from common.loadtest import (
+    CHAPTERS,
+    ROOT,
+    ChapterServer,
+    fetch_stats,
+    run_load,
+    send_one,
+)
+from common.memory import MiB
+from common.peers import PEERS, run_peer
+
+BENCH_DIR = ROOT / "bench"
+STREAMING_CHAPTERS = {"06"}  # the chapters whose server streams (TTFT, TPOT, ITL)
+# Every row carries every one of these (None where a system has no such figure).
+FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
+           "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s",
+           "tpot_mean_s", "itl_p50_s", "e2e_p50_s", "e2e_p95_s",
+           "peak_kv_reserved_bytes", "peak_kv_used_bytes", "kv_waste_perc",
+           "peak_running", "preemptions", "x_ch02"]
+
+
+# ------------------------------------------------------------- settings
+@dataclass
+class Settings:
+    """What one bench run measures. The presets below; every field a flag."""
+    preset: str
+    chapters: list[str]
+    clients: list[int]  # one load per value, on the same server
+    requests: int  # per client
+    max_tokens: int
+    card_gb: float | None  # the card of every chapter (None: the default card)
+    roomy_card_gb: float | None  # chapter 02's second row (None: the whole device)
+    ch02_on_card: bool = True  # False: chapter 02 only on the roomy card
+    ch01_clients: int = 2  # chapter 01's lighter load
+    ch01_max_tokens: int = 32
+    deadline_s: float = 300.0  # per load: requests not done by then are failures
+    peers: bool = False
+    model: str = "smollm2"
+    load_format: str = "auto"
+    dtype: str = "float32"
+    max_num_seqs: int = 64  # engine chapters (and generate_batch)
+    max_num_batched_tokens: int = 512
+    figure: str = "chapters.png"
+    require_cuda: bool = False
+
+
+ALL_CHAPTERS = list(CHAPTERS)
+PRESETS = {
+    "default": Settings("default", ALL_CHAPTERS, [16], 2, 64, 1.1, 16.0,
+                        ch01_clients=2, ch01_max_tokens=32),
+    "quick": Settings("quick", ALL_CHAPTERS, [4], 1, 32, 1.1, 16.0,
+                      ch01_clients=1, ch01_max_tokens=16, deadline_s=120.0),
+    # Chapter 02's roomy card is 8 GiB here: each of its requests holds a real
+    # 360 MiB static cache in RAM, and 64 of them would not fit in the machine.
+    "sweep": Settings("sweep", ["02", "05", "06"], [1, 2, 4, 8, 16, 32, 64], 1, 32, 1.1,
+                      8.0, ch02_on_card=False, deadline_s=120.0, figure="sweep.png"),
+    "sweep-quick": Settings("sweep-quick", ["02", "05", "06"], [1, 2, 4, 8], 1, 16, 1.1,
+                            8.0, ch02_on_card=False, deadline_s=60.0, figure="sweep.png"),
+    # A short slot on a rented GPU: the whole card for every chapter (chapter
+    # 02 survives there), 64 then 256 clients per server, 60 s per load at most.
+    "gpu": Settings("gpu", ["02", "05", "06"], [64, 256], 1, 64, None, None,
+                    deadline_s=60.0, peers=True, model="llama-1b", load_format="dummy",
+                    dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048,
+                    figure="chapters-gpu.png", require_cuda=True),
+}
+
+
+@dataclass
+class Entry:
+    """One system to measure: a chapter's server on a card, or a peer."""
+    name: str  # the row's label: "05", "02 (roomy)", "hf-generate"
+    chapter: str | None = None
+    peer: str | None = None
+    card_gb: float | None = None
+    clients: list[int] = field(default_factory=list)
+    requests: int = 1
+    max_tokens: int = 64
+    note: str = ""
+
+
+def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
+    """Chapter 01 with its lighter load; chapter 02 on the card and a roomy one."""
+    if chapter == "01":
+        return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients],
+                      max_tokens=s.ch01_max_tokens,
+                      note="lighter load: no KV cache, quadratic by design")]
+    load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens}
+    on_card = Entry(chapter, chapter, card_gb=s.card_gb, **load)
+    if chapter != "02" or s.roomy_card_gb == s.card_gb:
+        return [on_card]
+    on_card.note = "worst-case KV reservations on the bench's card (make demo-oom)"
+    roomy = Entry("02 (roomy)", "02", card_gb=s.roomy_card_gb,
+                  note="a roomy card, so that chapter 02 survives", **load)
+    return [on_card, roomy] if s.ch02_on_card else [roomy]
+
+
+def plan(s: Settings) -> list[Entry]:
+    """The entries of a run, in order: chapters (02 twice), then peers."""
+    entries = [e for chapter in s.chapters for e in chapter_entries(chapter, s)]
+    if s.peers:
+        entries += [Entry(name, peer=name, clients=s.clients, requests=s.requests,
+                          max_tokens=s.max_tokens, note="in-process, no HTTP, no card")
+                    for name in PEERS]
+    return entries
+
+
+# ---------------------------------------------------------------- rows
+def empty_row(entry: Entry, clients: int, status: str, error: str | None = None) -> dict:
+    """A row with every figure absent: what a skipped or failed entry leaves."""
+    row = {"name": entry.name, "system": CHAPTERS.get(entry.chapter, entry.peer),
+           "card_gb": entry.card_gb, "clients": clients, "requests_per_client": entry.requests,
+           "max_tokens": entry.max_tokens, "stream": entry.chapter in STREAMING_CHAPTERS,
+           "status": status, "note": entry.note}
+    row.update(dict.fromkeys(FIGURES))
+    row["first_error"] = error
+    return row
+
+
+def row_from_summary(entry: Entry, clients: int, summary: dict,
+                     stats_before: dict | None) -> dict:
+    """The load test's summary (+ the server's /stats) -> one row."""
+    row = empty_row(entry, clients, "ok" if summary["failed"] == 0 else "failures")
+    row.update({k: summary[k] for k in FIGURES if k in summary})
+    row["first_error"] = summary["first_errors"][0] if summary["first_errors"] else None
+    stats = summary.get("server_stats") or {}
+    if "avg_kv_waste_perc" in stats:
+        before = (stats_before or {}).get("num_preemptions", 0)
+        row.update(peak_kv_reserved_bytes=stats["peak_kv_reserved_bytes"],
+                   peak_kv_used_bytes=stats["peak_kv_used_bytes"],
+                   kv_waste_perc=stats["avg_kv_waste_perc"],
+                   peak_running=stats["peak_running"],
+                   preemptions=stats["num_preemptions"] - before)
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """x_ch02: output tokens/s over chapter 02's at the same number of clients
+    (on the roomy card where there is one, since it fails on the demo card)."""
+    for row in rows:
+        refs = [r for r in rows if r["system"] == CHAPTERS["02"] and r["clients"] == row["clients"]
+                and r["output_tokens_per_s"] and r["completed"]]
+        refs.sort(key=lambda r: r["name"] != "02 (roomy)")
+        if refs and row["output_tokens_per_s"] is not None:
+            row["x_ch02"] = row["output_tokens_per_s"] / refs[0]["output_tokens_per_s"]
+
+
+# ------------------------------------------------------------- measuring
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(s: Settings, card_gb: float | None) -> list[str]:
+    args = [s.model, "--load-format", s.load_format, "--dtype", s.dtype,
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+    return args + (["--device-memory-gb", str(card_gb)] if card_gb is not None else [])
+
+
+def progress_bar(entry: Entry, clients: int) -> tqdm:
+    card = "" if entry.chapter is None else f" @ {entry.card_gb or 'whole'} GiB"
+    return tqdm(total=clients * entry.requests, unit="req", file=sys.stderr,
+                desc=f"{entry.name}{card}, {clients} clients", dynamic_ncols=True)
+
+
+def start_server(entry: Entry, s: Settings, log_dir: Path) -> tuple[ChapterServer | None, str]:
+    """(the running server, "") or (None, why it did not start)."""
+    log_path = log_dir / (re.sub(r"\W+", "-", f"ch{entry.name}").strip("-") + ".log")
+    try:
+        server = ChapterServer(entry.chapter, free_port(), server_args(s, entry.card_gb),
+                               log_path)
+        # One short request first, not counted (vLLM's benchmark does the same):
+        # the first call pays for lazy initialisations.
+        send_one(server.url, 0, 2, False, s.deadline_s, None)
+        return server, ""
+    except RuntimeError as exc:
+        last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        return None, f"server failed to start: {last_line}"
+
+
+def measure_load(server: ChapterServer, entry: Entry, clients: int, s: Settings) -> dict:
+    before = fetch_stats(server.url)
+    with progress_bar(entry, clients) as bar:
+        summary = run_load(server.url, clients, entry.requests, entry.max_tokens,
+                           stream=entry.chapter in STREAMING_CHAPTERS,
+                           timeout=s.deadline_s, deadline=s.deadline_s, progress=bar)
+    return row_from_summary(entry, clients, summary, before)
+
+
+def measure_chapter(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
+    """Start the chapter's server, run each load on it, stop it. A load cut
+    short by the deadline may leave the server busy: the next load gets a
+    fresh server. A server that does not start gives rows of errors."""
+    folder = CHAPTERS[entry.chapter]
+    if not (ROOT / folder / "server.py").exists():
+        return [empty_row(entry, c, "skipped", f"{folder}/server.py is not written yet")
+                for c in entry.clients]
+    rows, server, error = [], None, ""
+    try:
+        for clients in entry.clients:
+            if server is None and not error:
+                server, error = start_server(entry, s, log_dir)
+            if server is None:
+                rows.append(empty_row(entry, clients, "error", error))
+                continue
+            rows.append(measure_load(server, entry, clients, s))
+            if rows[-1]["duration_s"] >= s.deadline_s:
+                server.stop()
+                server = None
+    finally:
+        if server is not None:
+            server.stop()
+    return rows
+
+
+def measure_peers(entries: list[Entry], s: Settings) -> list[dict]:
+    """The peers, in this process, on one copy of the model loaded once."""
+    loaded = load_model(s.model, s.dtype, "auto", s.load_format)
+    run_peer("hf-generate", loaded, 1, 1, 2)  # the warm-up request, not counted
+    rows = []
+    for entry in entries:
+        for clients in entry.clients:
+            with progress_bar(entry, clients) as bar:
+                summary = run_peer(entry.peer, loaded, clients, entry.requests,
+                                   entry.max_tokens, s.deadline_s, bar,
+                                   max_batch_tokens=s.max_num_batched_tokens)
+            rows.append(row_from_summary(entry, clients, summary, None))
+    del loaded
+    return rows
+
+
+def run_bench(s: Settings, log_dir: Path) -> list[dict]:
+    entries = plan(s)
+    rows = []
+    for entry in entries:
+        if entry.chapter is not None:
+            rows += measure_chapter(entry, s, log_dir)
+    peers = [e for e in entries if e.peer is not None]
+    if peers:
+        rows += measure_peers(peers, s)
+    add_ratios(rows)
+    return rows
+
+
+# -------------------------------------------------------------- the record
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def result_stem(s: Settings, when: datetime.datetime, host: str) -> str:
+    suffix = "" if s.preset == "default" else f"-{s.preset}"
+    return f"{when:%Y-%m-%d}-{host}{suffix}"
+
+
+def record(s: Settings, rows: list[dict], when: datetime.datetime, duration: float,
+           command: str) -> dict:
+    return {"date": when.isoformat(timespec="seconds"), "command": command,
+            "duration_s": duration, "machine": machine(),
+            "settings": dataclasses.asdict(s), "rows": rows}
+
+
+# ------------------------------------------------------------- the table
+def _num(value, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value if scale == 1.0 else value * scale)
+
+
+def _pair(a, b, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    return "-" if a is None else f"{_num(a, fmt, scale)} / {_num(b, fmt, scale)}"
+
+
+def _card(row: dict) -> str:
+    if row["system"] not in CHAPTERS.values():
+        return "-"
+    return "whole" if row["card_gb"] is None else f"{row['card_gb']:g} GiB"
+
+
+def _done(row: dict) -> str:
+    if row["status"] in ("skipped", "error"):
+        return row["status"]
+    text = f"{row['completed']} / {row['failed']}"
+    return f"**{text}**" if row["failed"] else text
+
+
+TABLE_COLUMNS = [
+    ("system", lambda r: r["name"]),
+    ("card", _card),
+    ("load", lambda r: f"{r['clients']}x{r['requests_per_client']}x{r['max_tokens']}"),
+    ("done / failed", _done),
+    ("output tok/s", lambda r: _num(r["output_tokens_per_s"], "{:.1f}")),
+    ("x ch02", lambda r: _num(r["x_ch02"], "{:.1f}x")),
+    ("req/s", lambda r: _num(r["requests_per_s"])),
+    ("TTFT p50 / p95 s", lambda r: _pair(r["ttft_p50_s"], r["ttft_p95_s"])),
+    ("TPOT ms", lambda r: _num(r["tpot_mean_s"], "{:.0f}", 1000)),
+    ("ITL p50 ms", lambda r: _num(r["itl_p50_s"], "{:.0f}", 1000)),
+    ("e2e p50 / p95 s", lambda r: _pair(r["e2e_p50_s"], r["e2e_p95_s"], "{:.1f}")),
+    ("KV peak reserved / used MiB", lambda r: _pair(
+        r["peak_kv_reserved_bytes"], r["peak_kv_used_bytes"], "{:.0f}", 1 / MiB)),
+    ("KV waste", lambda r: _num(r["kv_waste_perc"], "{:.1f} %")),
+    ("peak running", lambda r: _num(r["peak_running"], "{}")),
+    ("preemptions", lambda r: _num(r["preemptions"], "{}")),
+]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(name for name, _ in TABLE_COLUMNS) + " |",
+             "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(row) for _, cell in TABLE_COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """One line per system that needs words: its note, its first error."""
+    out = []
+    for name in dict.fromkeys(row["name"] for row in rows):
+        mine = [row for row in rows if row["name"] == name]
+        if mine[0]["note"]:
+            out.append(f"- {name}: {mine[0]['note']}")
+        failing = [row for row in mine if row["first_error"]]
+        if failing:
+            clients = ", ".join(str(row["clients"]) for row in failing)
+            out.append(f"- {name}, first error ({clients} clients): "
+                       f"`{failing[0]['first_error'][:240]}`")
+    return out
+
+
+def render_markdown(rec: dict) -> str:
+    m, s = rec["machine"], rec["settings"]
+    card = "whole device" if s["card_gb"] is None else f"{s['card_gb']:g} GiB"
+    gpu = f", {m['gpu']}" if m["gpu"] else ", no GPU"
+    header = [
+        (f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores{gpu}), torch "
+         f"{m['torch']}, transformers {m['transformers']}; {rec['duration_s'] / 60:.1f} min."),
+        (f"Command: `{rec['command']}`. Model `{s['model']}` ({s['dtype']}, load format "
+         f"{s['load_format']}), card {card}. Load = clients x requests per client x "
+         "output tokens (EOS ignored, greedy)."),
+        ("TTFT, TPOT and ITL need streaming (chapter 06, and `hf-generate-batch`'s own "
+         "timestamps); KV figures come from the servers' `/stats` (chapters 03-06)."),
+    ]
+    return "\n".join(header + ["", markdown_table(rec["rows"]), ""] + notes(rec["rows"])) + "\n"
+
+
+# ------------------------------------------------------------- the figures
+def _bar_label(row: dict) -> str:
+    label = f"{row['name']} @ {_card(row)}" if _card(row) != "-" else row["name"]
+    return f"{label}, {row['clients']} cl. x {row['max_tokens']} tok"
+
+
+def _mark_failures(ax, rows: list[dict], values: list[float]) -> None:
+    """Write in red, beside each bar, what did not go well."""
+    right = max(values, default=0) or 1.0
+    for y, row in enumerate(rows):
+        if row["status"] in ("skipped", "error"):
+            ax.text(0, y, f" {row['status'].upper()}", va="center", color="grey"
+                    if row["status"] == "skipped" else "red", fontweight="bold")
+        elif row["failed"]:
+            total = row["completed"] + row["failed"]
+            ax.text(values[y] + right * 0.01, y, f" {row['failed']} of {total} FAILED", va="center",
+                    color="red", fontweight="bold", fontsize=8)
+
+
+def _no_waste_reason(row: dict) -> str:
+    if row["status"] in ("skipped", "error"):
+        return ""
+    return "no /stats" if row["system"] in CHAPTERS.values() else "n/a (no card)"
+
+
+def draw_chapters(rows: list[dict], path: Path, title: str) -> None:
+    """Three panels of horizontal bars: tokens/s, latency, KV waste."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [_bar_label(r) for r in rows]
+    colors = ["tab:red" if r["failed"] or r["status"] == "error" else
+              "tab:blue" if r["system"] in CHAPTERS.values() else "tab:grey" for r in rows]
+    ys = range(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 1.5 + 0.45 * len(rows)), sharey=True)
+    tps = [r["output_tokens_per_s"] or 0.0 for r in rows]
+    axes[0].barh(ys, tps, color=colors)
+    axes[0].set_xlabel("output tokens/s (higher is better)")
+    _mark_failures(axes[0], rows, tps)
+    p50 = [r["e2e_p50_s"] or 0.0 for r in rows]
+    p95 = [r["e2e_p95_s"] or 0.0 for r in rows]
+    axes[1].barh(ys, p95, color="lightgrey")
+    axes[1].barh(ys, p50, color=colors, height=0.5)
+    axes[1].set_xlabel("end-to-end latency, s: p50 (bar), p95 (grey) (lower is better)")
+    _mark_failures(axes[1], rows, p95)
+    waste = [r["kv_waste_perc"] for r in rows]
+    axes[2].barh(ys, [w or 0.0 for w in waste], color=colors)
+    axes[2].set_xlim(0, 100)
+    axes[2].set_xlabel("KV cache waste, % of reserved slots (lower is better)")
+    for y, (w, row) in enumerate(zip(waste, rows)):
+        if w is None:
+            axes[2].text(1, y, _no_waste_reason(row), va="center", fontsize=8, color="grey")
+        else:  # inside the bar when it is nearly full
+            inside = w > 85
+            axes[2].text(w - 1 if inside else w + 1, y, f"{w:.0f} %", va="center", fontsize=8,
+                         ha="right" if inside else "left", color="white" if inside else "black")
+    axes[0].set_yticks(list(ys), labels)
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_sweep(rows: list[dict], path: Path, title: str) -> None:
+    """Two panels against the number of clients: tokens/s and p95 latency."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for name in dict.fromkeys(r["name"] for r in rows):
+        line = [r for r in rows if r["name"] == name and r["status"] not in ("skipped", "error")]
+        if not line:
+            continue
+        label = f"{name} @ {_card(line[0])}" if _card(line[0]) != "-" else name
+        xs = [r["clients"] for r in line]
+        for ax, key in zip(axes, ["output_tokens_per_s", "e2e_p95_s"]):
+            ax.plot(xs, [r[key] for r in line], marker="o", label=label)
+            bad = [r for r in line if r["failed"]]
+            ax.scatter([r["clients"] for r in bad], [r[key] or 0 for r in bad], marker="x",
+                       s=120, color="red", zorder=3)
+            for r in bad:
+                ax.annotate(f"{r['failed']} of {r['failed'] + r['completed']} failed",
+                            (r["clients"], r[key] or 0),
+                            color="red", fontsize=8, xytext=(4, 6), textcoords="offset points")
+    ticks = sorted({r["clients"] for r in rows})
+    for ax, ylabel in zip(axes, ["output tokens/s", "end-to-end latency p95, s"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title + "  (red x: requests failed)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(rec: dict, path: Path) -> None:
+    s, m = rec["settings"], rec["machine"]
+    where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores"
+    title = f"{s['model']} ({s['dtype']}) on {where} - {rec['date'][:10]} - {rec['command']}"
+    drawer = draw_sweep if s["preset"].startswith("sweep") else draw_chapters
+    drawer(rec["rows"], path, title)
+
+
+# ------------------------------------------------------------------ main
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    s = dataclasses.replace(PRESETS[args.preset])
+    for name in ("chapters", "clients", "requests", "max_tokens", "deadline_s", "model",
+                 "load_format", "dtype", "ch01_clients", "ch01_max_tokens"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    for name in ("card_gb", "roomy_card_gb"):  # "whole": no --device-memory-gb
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, None if value == "whole" else float(value))
+    s.peers = s.peers or args.peers
+    s.chapters = [f"{int(c):02d}" for c in s.chapters]
+    s.clients = sorted(s.clients)
+    return s
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="default")
+    p.add_argument("--chapters", nargs="+", help="e.g. 02 05")
+    p.add_argument("--clients", nargs="+", type=int, help="one load per value")
+    p.add_argument("--requests", type=int, help="per client")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--card", dest="card_gb", help="GiB, or 'whole'")
+    p.add_argument("--roomy-card", dest="roomy_card_gb", help="chapter 02's second card")
+    p.add_argument("--ch01-clients", type=int)
+    p.add_argument("--ch01-max-tokens", type=int)
+    p.add_argument("--deadline", dest="deadline_s", type=float, help="per load, s")
+    p.add_argument("--peers", action="store_true", help="+ transformers' own ways")
+    p.add_argument("--model")
+    p.add_argument("--load-format", choices=["auto", "dummy"])
+    p.add_argument("--dtype")
+    p.add_argument("--out-dir", type=Path, default=BENCH_DIR)
+    p.add_argument("--redraw", type=Path, metavar="JSON",
+                   help="measure nothing: write the table and figure of a results file again")
+    return p
+
+
+def write_table_and_figure(rec: dict, json_path: Path, figure: Path) -> None:
+    """The record's markdown table (beside its JSON) and its figure."""
+    table = render_markdown(rec)
+    json_path.with_suffix(".md").write_text(table)
+    draw(rec, figure)
+    print("\n" + table)
+    print(f"wrote {json_path}, its .md table and {figure}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.redraw:
+        rec = json.loads(args.redraw.read_text())
+        write_table_and_figure(rec, args.redraw, args.out_dir / rec["settings"]["figure"])
+        return 0
+    s = settings_from_args(args)
+    unknown = [c for c in s.chapters if c not in CHAPTERS]
+    if unknown:
+        print(f"error: no chapter {', '.join(unknown)}; chapters are {', '.join(CHAPTERS)}",
+              file=sys.stderr)
+        return 2
+    if s.require_cuda and not torch.cuda.is_available():
+        print(f"error: preset {s.preset!r} needs a CUDA GPU, and torch {torch.__version__} "
+              "sees none here. On the CPU run `make bench`.", file=sys.stderr)
+        return 2
+    command = "python -m common.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    when, start = datetime.datetime.now(), time.perf_counter()
+    print(f"bench: {len(plan(s))} systems, clients {s.clients}, {s.max_tokens} tokens, "
+          f"model {s.model} ({s.dtype}), card {s.card_gb or 'whole'}", flush=True)
+    log_dir = Path(tempfile.gettempdir()) / "llm-course-bench"
+    log_dir.mkdir(exist_ok=True)
+    print(f"bench: servers' logs in {log_dir}", flush=True)
+    rows = run_bench(s, log_dir)
+    rec = record(s, rows, when, time.perf_counter() - start, command.strip())
+    results = args.out_dir / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(s, when, rec["machine"]["host"])
+    json_path = results / f"{stem}.json"
+    json_path.write_text(json.dumps(rec, indent=2) + "\n")
+    write_table_and_figure(rec, json_path, args.out_dir / s.figure)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

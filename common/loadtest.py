@@ -91,6 +91,9 @@ def _stream_request(url: str, body: dict, timeout: float) -> RequestResult:
     with requests.post(url, json=body, stream=True, timeout=timeout) as response:
         if response.status_code != 200:
             return RequestResult(False, f"HTTP {response.status_code}: {_error_text(response)}")
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            return RequestResult(False, "the server answered without streaming "
+                                 "(chapters 01-05 do not stream; chapter 06 does)")
         for line in response.iter_lines(decode_unicode=True):
             if not line or not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -22,8 +22,9 @@ def main() -> None:
     eos = eos_token_ids(lm.model, lm.tokenizer)
 
     def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int) -> Completion:
+        stop_ids = set() if req.ignore_eos else eos  # the load test asks for ignore_eos
         new_ids, reason = generate_without_cache(
-            lm.model, prompt_ids, max_tokens, req.temperature, eos, req.seed)
+            lm.model, prompt_ids, max_tokens, req.temperature, stop_ids, req.seed)
         return Completion(new_ids, reason)
 
     app = build_chat_app(

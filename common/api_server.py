@@ -526,7 +526,7 @@ def main() -> None:
     args = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = config_from_args(args)
-    engine = AsyncLLMEngine(LLMEngine(config, policy="continuous"))
+    engine = AsyncLLMEngine.build(lambda: LLMEngine(config, policy="continuous"))
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     run_server(app, args.host, args.port)

@@ -48,8 +48,10 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     """key, value: (num_tokens, num_kv_heads, head_dim).
     k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+    # cache.view(-1, H_kv, D)[slot_mapping] = key, written as a row copy (the
+    # slots are distinct): cheaper on the CPU than advanced-index assignment.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def gather_slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -60,17 +62,30 @@ def gather_slots(block_tables: torch.Tensor, num_positions: int, block_size: int
     return blocks * block_size + positions % block_size
 
 
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K (or V) rows at `slots`, copied out of the cache.
+    cache: (num_blocks, block_size, H_kv, D); slots: any shape S -> (*S, H_kv, D).
+
+    One `index_select` over the cache seen as a table of slot rows: the same
+    values as `cache.view(-1, H_kv, D)[slots]`, several times faster on the CPU
+    (advanced indexing handles any index; index_select copies whole rows)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    rows = cache.view(-1, num_kv_heads * head_dim)  # (num_slots, H_kv * D)
+    picked = rows.index_select(0, slots.reshape(-1))  # (S.numel(), H_kv * D)
+    return picked.view(*slots.shape, num_kv_heads, head_dim)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """query: (num_seqs, num_heads, head_dim), one token per sequence, whose
     own K/V are already stored. Returns (num_seqs, num_heads, head_dim)."""
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
-    slots = gather_slots(block_tables, max_len, block_size)  # (num_seqs, max_len)
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # (num_seqs, max_len, H_kv, D)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    # The whole batch at once: every sequence's context, padded to max_len.
+    slots = gather_slots(block_tables, max_len, k_cache.shape[1])  # (num_seqs, max_len)
+    keys = gather_kv(k_cache, slots)  # (num_seqs, max_len, H_kv, D)
+    values = gather_kv(v_cache, slots)
     valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # (num_seqs, H, 1, D)
@@ -86,24 +101,24 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """query: (num_tokens, num_heads, head_dim), the new tokens of each
     sequence, which are the *last* tokens of its context (their K/V already
     stored). Causal. Returns (num_tokens, num_heads, head_dim)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, context_len in enumerate(context_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         query_len = end - start
-        slots = gather_slots(block_tables[i:i + 1], context_len, block_size)[0]
-        keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # (context_len, H_kv, D)
-        values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+        slots = gather_slots(block_tables[i:i + 1], context_len, k_cache.shape[1])
+        keys = gather_kv(k_cache, slots)  # (1, context_len, H_kv, D)
+        values = gather_kv(v_cache, slots)
         # Query j sits at position context_len - query_len + j: it sees keys 0..that.
         q_pos = torch.arange(context_len - query_len, context_len, device=query.device)
         causal = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        # A batch of one: SDPA's fused (flash) CPU kernel wants 4-D inputs.
         out[start:end] = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1),  # (H, query_len, D)
-            keys.transpose(0, 1), values.transpose(0, 1),  # (H_kv, context_len, D)
+            query[None, start:end].transpose(1, 2),  # (1, H, query_len, D)
+            keys.transpose(1, 2), values.transpose(1, 2),  # (1, H_kv, context_len, D)
             attn_mask=causal, scale=scale,
-            enable_gqa=num_heads != num_kv_heads).transpose(0, 1)
+            enable_gqa=num_heads != num_kv_heads)[0].transpose(0, 1)
     return out
 
 

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -285,6 +285,31 @@ class AsyncLLMEngine:
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine]) -> "AsyncLLMEngine":
+        """Run `factory` (load the model, size the cache) on a short-lived
+        thread, then start the engine loop on its own thread.
+
+        Why not on the main thread: on the CPU, torch's thread pool (OpenMP)
+        belongs to the thread that first used it. Loading on the main thread
+        and stepping on the loop thread would keep two pools of busy-waiting
+        workers fighting over the cores: decode steps 15-20% slower on a
+        2-core machine (measured). The build thread's pool ends with it."""
+        built: dict = {}
+
+        def run() -> None:
+            try:
+                built["engine"] = factory()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                built["error"] = exc
+
+        thread = threading.Thread(target=run, name="engine-build")
+        thread.start()
+        thread.join()
+        if "error" in built:
+            raise built["error"]
+        return cls(built["engine"])
 
     @property
     def alive(self) -> bool:

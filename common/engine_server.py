@@ -40,8 +40,9 @@ def main(title: str, policy: str, contiguous: bool = False, max_num_seqs: int | 
     config = config_from_args(args)
     if max_num_seqs is not None:
         config.max_num_seqs = max_num_seqs
-    engine = LLMEngine(config, policy=policy, block_size_is_max_model_len=contiguous)
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine.build(lambda: LLMEngine(
+        config, policy=policy, block_size_is_max_model_len=contiguous))
+    engine = async_engine.engine
     tokenizer = engine.tokenizer
 
     async def generate(prompt_ids: list[int], req: ChatCompletionRequest,

@@ -58,7 +58,7 @@ class ModelRunner:
             block_size=self.block_size)
         return tensor(input_ids, torch.long), tensor(positions, torch.long), meta
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
     def run(self, batch: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampledToken | None]]:
         """One forward pass. Pairs each scheduled sequence with its new token
         (None for a prefill chunk that is not the last)."""

@@ -113,19 +113,37 @@ class Sampler:
         """logits: (num_seqs, vocab). `banned[i]`: token ids that row i may not
         pick now (EOS before `min_tokens`)."""
         logits = logits.float().cpu()
-        results = []
+        banned = banned or [[] for _ in params]
+        results: list[SampledToken | None] = [None] * len(params)
+        # Plain greedy rows (no penalty, ban or logprobs) need only an argmax:
+        # one call for all of them instead of one per row.
+        plain = [i for i, p in enumerate(params)
+                 if p.greedy and not p.needs_penalties and p.logprobs is None and not banned[i]]
+        if plain:
+            rows = logits if len(plain) == len(params) else logits[plain]
+            tokens = rows.argmax(dim=-1).tolist()  # (num_plain,)
+            for i, token in zip(plain, tokens):
+                results[i] = SampledToken(token)
         for i, p in enumerate(params):
-            row = logits[i]  # (vocab,)
-            if p.needs_penalties:
-                row = apply_penalties(row, p, prompt_ids[i], output_ids[i])
-            if banned and banned[i]:
-                row = row.clone()
-                row[banned[i]] = float("-inf")
-            logprobs = torch.log_softmax(row, dim=-1) if p.logprobs is not None else None
-            if p.greedy:
-                token = int(torch.argmax(row))
-            else:
-                probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generators[i]))
-            results.append(_top_logprobs(logprobs, token, p.logprobs))
+            if results[i] is None:
+                results[i] = self._sample_row(logits[i], p, generators[i], prompt_ids[i],
+                                              output_ids[i], banned[i])
         return results
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+                    prompt_ids: list[int], output_ids: list[int],
+                    banned: list[int]) -> SampledToken:
+        """row: (vocab,) logits of one sequence -> its token (and logprobs)."""
+        if p.needs_penalties:
+            row = apply_penalties(row, p, prompt_ids, output_ids)
+        if banned:
+            row = row.clone()
+            row[banned] = float("-inf")
+        logprobs = torch.log_softmax(row, dim=-1) if p.logprobs is not None else None
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        return _top_logprobs(logprobs, token, p.logprobs)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention import AttentionMetadata, paged_attention
+from common.models import lm_head
 
 
 def conv1d(x: torch.Tensor, layer) -> torch.Tensor:
@@ -59,4 +60,4 @@ class GPT2Forward:
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.hf.lm_head.weight)
+        return lm_head(hidden, self.hf.lm_head.weight)  # (N, vocab)

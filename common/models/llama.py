@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention import AttentionMetadata, paged_attention
+from common.models import lm_head
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,5 +92,6 @@ class LlamaForward:
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> (N, vocab). The head may be tied to the embedding."""
-        return F.linear(hidden, self.hf.lm_head.weight)
+        """hidden: (N, hidden) -> (N, vocab). The head may be tied to the embedding.
+        N is the number of sequences that sample this step, not of tokens."""
+        return lm_head(hidden, self.hf.lm_head.weight)

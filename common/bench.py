@@ -25,7 +25,8 @@ preemptions. TTFT, TPOT and ITL need streaming: only chapter 06 streams
 Outputs: `bench/results/<date>-<host>[-preset].json` (the machine, the
 settings, one row per system and load with every figure), the markdown
 table beside it (`.md`, also printed) and a figure under `bench/`
-(`chapters.png`, `sweep.png` for the sweep, `chapters-gpu.png`).
+(`chapters.png`, `sweep.png` for the sweep, `chapters-gpu.png`; the quick
+presets write `*-quick.png`, so the README's figures stay the full runs').
 
 Left out: repeated runs and error bars (one run per row, on a shared
 machine throughput varies run to run), open-loop arrival rates, prompt
@@ -105,13 +106,15 @@ PRESETS = {
     "default": Settings("default", ALL_CHAPTERS, [16], 2, 64, 1.1, 16.0,
                         ch01_clients=2, ch01_max_tokens=32),
     "quick": Settings("quick", ALL_CHAPTERS, [4], 1, 32, 1.1, 16.0,
-                      ch01_clients=1, ch01_max_tokens=16, deadline_s=120.0),
+                      ch01_clients=1, ch01_max_tokens=16, deadline_s=120.0,
+                      figure="chapters-quick.png"),  # keeps the full run's figure
     # Chapter 02's roomy card is 8 GiB here: each of its requests holds a real
     # 360 MiB static cache in RAM, and 64 of them would not fit in the machine.
     "sweep": Settings("sweep", ["02", "05", "06"], [1, 2, 4, 8, 16, 32, 64], 1, 32, 1.1,
                       8.0, ch02_on_card=False, deadline_s=120.0, figure="sweep.png"),
     "sweep-quick": Settings("sweep-quick", ["02", "05", "06"], [1, 2, 4, 8], 1, 16, 1.1,
-                            8.0, ch02_on_card=False, deadline_s=60.0, figure="sweep.png"),
+                            8.0, ch02_on_card=False, deadline_s=60.0,
+                            figure="sweep-quick.png"),
     # A short slot on a rented GPU: the whole card for every chapter (chapter
     # 02 survives there), 64 then 256 clients per server, 60 s per load at most.
     "gpu": Settings("gpu", ["02", "05", "06"], [64, 256], 1, 64, None, None,

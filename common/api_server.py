@@ -30,7 +30,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Union
+from typing import AsyncIterator, Union
 
 import torch
 import transformers
@@ -49,7 +49,8 @@ from common.openai_api import (APIError, ChatChoice, ChatCompletionChunk,
                                ChatMessage, ChunkChoice, CompletionChoice,
                                CompletionLogprobs, CompletionRequest, CompletionResponse,
                                ModelCard, ModelList, ResponseMessage, SamplingFields,
-                               TokenLogprob, TopLogprob, Usage, check_context_length,
+                               TokenLogprob, TopLogprob, Usage, cancel_on_disconnect,
+                               check_context_length,
                                check_model_name, error_response, install_error_handlers,
                                new_id, run_server, server_parser)
 from common.sampling import SampledToken, SamplingParams
@@ -58,7 +59,6 @@ log = logging.getLogger("llm-course")
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8192-token prompt is ~40 KB of JSON
 DEFAULT_MAX_WAITING = 256
-DISCONNECT_POLL_S = 0.25
 
 
 # ------------------------------------------------------ small request models
@@ -172,22 +172,6 @@ async def merge_choices(choices: list[Choice]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         close_all(choices)
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable):
-    """Await `work`, but cancel it (aborting its engine requests) if the
-    client hangs up first: a dropped non-streaming request frees its blocks."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client disconnected: aborting %s", request.url.path)
-                raise APIError(499, "client disconnected")
-    finally:
-        task.cancel()
 
 
 def sse(payload: Union[BaseModel, dict, str]) -> str:

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("llm-course")
 
 DEFAULT_MAX_TOKENS = 256  # chapters 01-05; chapter 06 fills max_model_len
+DISCONNECT_POLL_S = 0.25
 
 
 # ---------------------------------------------------------------- requests
@@ -270,6 +271,22 @@ class Completion:
     finish_reason: Literal["stop", "length"]
 
 
+async def cancel_on_disconnect(request: Request, work: Awaitable):
+    """Await `work`, but cancel it (aborting its engine requests) if the
+    client hangs up first: a dropped non-streaming request frees its blocks."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected: aborting %s", request.url.path)
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
 GenerateFn = Callable[[list[int], ChatCompletionRequest, int],
                       Union[Completion, Awaitable[Completion]]]
 
@@ -336,10 +353,11 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
 
     if inspect.iscoroutinefunction(generate):
         @app.post("/v1/chat/completions")
-        async def chat_async(req: ChatCompletionRequest) -> ChatCompletionResponse:
+        async def chat_async(req: ChatCompletionRequest, request: Request
+                             ) -> ChatCompletionResponse:
             prompt_ids, max_tokens = prepare(req)
-            completions = await asyncio.gather(
-                *[generate(prompt_ids, req, max_tokens) for _ in range(req.n)])
+            completions = await cancel_on_disconnect(request, asyncio.gather(
+                *[generate(prompt_ids, req, max_tokens) for _ in range(req.n)]))
             return respond(prompt_ids, list(completions))
     else:
         @app.post("/v1/chat/completions")

@@ -149,3 +149,22 @@ def test_ch05_survives_the_load_that_crashed_chapter_02(ch05_server):
     summary = run_load(ch05_server.url, 32, 2, max_tokens=8, timeout=600, deadline=900)
     assert summary["failed"] == 0 and summary["completed"] == 64
     assert summary["server_stats"]["peak_running"] > 8
+
+
+def test_a_dropped_non_streaming_request_is_aborted(ch05_server):
+    import time
+
+    import requests
+    try:
+        requests.post(ch05_server.url + "/v1/chat/completions", timeout=2, json={
+            "messages": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True})
+    except requests.Timeout:
+        pass  # the client hangs up after 2 s
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        stats = requests.get(ch05_server.url + "/stats").json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["kv_used_slots"] == 0
+    assert stats["finished"].get("abort", 0) >= 1

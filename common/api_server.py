@@ -25,6 +25,7 @@ token that holds part of a UTF-8 character shows as "\\ufffd").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -172,6 +173,27 @@ async def merge_choices(choices: list[Choice]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         close_all(choices)
+
+
+@dataclass
+class Delta:
+    """What one choice added since its previous output, for a stream chunk."""
+    index: int
+    output: RequestOutput
+    text: str  # new text (stop strings held back, never leaked)
+    tokens: list[SampledToken]  # new tokens, with their logprobs when asked for
+    text_offset: int  # characters of this choice already sent before `text`
+
+
+async def merge_deltas(choices: list[Choice]) -> AsyncIterator[Delta]:
+    """merge_choices, turned from "everything so far" into "what is new"."""
+    sent_text = [0] * len(choices)  # characters already sent, per choice
+    sent_tokens = [0] * len(choices)
+    async with contextlib.aclosing(merge_choices(choices)) as merged:  # closed with us
+        async for i, out in merged:
+            yield Delta(i, out, out.text[sent_text[i]:], out.logprobs[sent_tokens[i]:],
+                        sent_text[i])
+            sent_text[i], sent_tokens[i] = len(out.text), len(out.logprobs)
 
 
 def sse(payload: Union[BaseModel, dict, str]) -> str:
@@ -346,20 +368,17 @@ class OpenAIServing:
 
         for i in range(len(choices)):
             yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
-        sent_text = [0] * len(choices)  # characters already sent, per choice
-        sent_logprobs = [0] * len(choices)
         completion_tokens = 0
-        async for i, out in merge_choices(choices):
-            text = out.text[sent_text[i]:]
-            new_logprobs = out.logprobs[sent_logprobs[i]:] if req.logprobs else []
-            if text or new_logprobs:
+        async for d in merge_deltas(choices):
+            new_logprobs = d.tokens if req.logprobs else []
+            if d.text or new_logprobs:
                 yield chunk([ChunkChoice(
-                    index=i, delta={"content": text},
+                    index=d.index, delta={"content": d.text},
                     logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None)])
-            sent_text[i], sent_logprobs[i] = len(out.text), len(out.logprobs)
-            if out.finished:
-                completion_tokens += len(out.token_ids)
-                yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)])
+            if d.output.finished:
+                completion_tokens += len(d.output.token_ids)
+                yield chunk([ChunkChoice(index=d.index, delta={},
+                                         finish_reason=d.output.finish_reason)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], self.usage(prompts, completion_tokens))
 
@@ -389,20 +408,16 @@ class OpenAIServing:
             return sse(CompletionResponse(id=request_id, created=created,
                                           model=self.model_name, choices=choices, usage=usage))
 
-        sent_text = [0] * len(choices)
-        sent_logprobs = [0] * len(choices)
         completion_tokens = 0
-        async for i, out in merge_choices(choices):
-            text = out.text[sent_text[i]:]
-            new_logprobs = out.logprobs[sent_logprobs[i]:] if req.logprobs is not None else []
-            if text or new_logprobs or out.finished:
-                logprobs = (self.completion_logprobs(new_logprobs, sent_text[i])
+        async for d in merge_deltas(choices):
+            new_logprobs = d.tokens if req.logprobs is not None else []
+            if d.text or new_logprobs or d.output.finished:
+                logprobs = (self.completion_logprobs(new_logprobs, d.text_offset)
                             if req.logprobs is not None else None)
-                yield chunk([CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason)])
-            sent_text[i], sent_logprobs[i] = len(out.text), len(out.logprobs)
-            if out.finished:
-                completion_tokens += len(out.token_ids)
+                yield chunk([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
+                                              finish_reason=d.output.finish_reason)])
+            if d.output.finished:
+                completion_tokens += len(d.output.token_ids)
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], self.usage(prompts, completion_tokens))
 
@@ -410,9 +425,7 @@ class OpenAIServing:
     def tokenize(self, req: TokenizeRequest) -> dict:
         check_model_name(req.model, self.model_name)
         if req.messages:
-            tokens = apply_chat_template(self.tokenizer,
-                                         [{"role": m.role, "content": m.text()}
-                                          for m in req.messages])
+            tokens = apply_chat_template(self.tokenizer, [m.as_dict() for m in req.messages])
         elif req.prompt is not None:
             tokens = self.encode(req.prompt, req.add_special_tokens)
         else:

@@ -55,6 +55,10 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def as_dict(self) -> dict:
+        """{"role", "content"}: what a chat template takes."""
+        return {"role": self.role, "content": self.text()}
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -101,7 +105,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
 
 
 # ch06: `prompt` is a string, several strings, token ids, or several lists of ids.

@@ -18,7 +18,7 @@ CARD        ?= $(DEMO_CARD)
 STREAM      ?=
 PORT        ?= 8000
 
-# `make bench` knobs (common/bench.py): an empty one keeps the preset's value.
+# `make bench` knobs (bench/bench.py): an empty one keeps the preset's value.
 # QUICK=1 (2 min) PEERS=1 (+ transformers) CHAPTERS="02 05" BENCH_CARD=1.1
 # ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); CLIENTS
 # ("1 4 16" runs each), REQUESTS and MAX_TOKENS count only when given.
@@ -53,26 +53,26 @@ test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM
-	-$(PY) -m common.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype float32
+	-$(PY) -m bench.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype float32
 	@echo
 	@echo "One success, one CUDA-style out-of-memory error; the server stayed up."
 	@echo "Chapter 05 survives the same load:  make loadtest CH=05 CLIENTS=2"
 
 loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 STREAM=1: load one chapter
-	$(PY) -m common.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \
+	$(PY) -m bench.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \
 	  --max-tokens $(MAX_TOKENS) --device-memory-gb $(CARD) $(if $(STREAM),--stream,)
 
 serve: $(STAMP) ## CH=05 PORT=8000: run one chapter's server
 	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT)
 
 bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 ...)
-	$(PY) -m common.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
+	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
 
 bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05/06: bench/sweep.png
-	$(PY) -m common.bench --preset $(if $(QUICK),sweep-quick,sweep) $(BENCH_ARGS)
+	$(PY) -m bench.bench --preset $(if $(QUICK),sweep-quick,sweep) $(BENCH_ARGS)
 
 bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, with peers (< 8 min)
-	$(PY) -m common.bench --preset gpu $(BENCH_ARGS)
+	$(PY) -m bench.bench --preset gpu $(BENCH_ARGS)
 
 slides: ## CH=01: show a chapter's slides in mdp
 	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md

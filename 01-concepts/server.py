@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.autoregressive import eos_token_ids, generate_without_cache  # noqa: E402
 from common.loader import apply_chat_template, load_model  # noqa: E402
-from common.openai_api import (ChatCompletionRequest, Completion,  # noqa: E402
+from common.entrypoints.protocol import (ChatCompletionRequest, Completion,  # noqa: E402
                                build_chat_app, run_server, server_parser)
 
 

@@ -19,7 +19,7 @@ from common.autoregressive import eos_token_ids  # noqa: E402
 from common.loader import apply_chat_template, load_model  # noqa: E402
 from common.memory import (Card, activation_bytes_estimate,  # noqa: E402
                            format_bytes, kv_bytes_per_token)
-from common.openai_api import (ChatCompletionRequest, Completion,  # noqa: E402
+from common.entrypoints.protocol import (ChatCompletionRequest, Completion,  # noqa: E402
                                build_chat_app, log, run_server, server_parser)
 
 

@@ -1,7 +1,7 @@
 """Chapter 03: our own forward pass and an explicit KV cache.
 
-Switches on: common/models/ (our forward), common/kv_cache.py (the cache,
-sized from the card), common/sampling.py. Each sequence reserves one
+Switches on: common/models/ (our forward), common/engine/kv_cache.py (the cache,
+sized from the card), common/layers/sampler.py. Each sequence reserves one
 contiguous region of max_model_len slots (a "block" as big as the context);
 requests that find no free region wait in a FIFO queue. One request is
 decoded at a time. GET /stats shows reserved vs used slots (the waste).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.engine_server import main  # noqa: E402
+from common.entrypoints.chat_server import main  # noqa: E402
 
 if __name__ == "__main__":
     main("Chapter 03: our forward pass and a contiguous KV cache",

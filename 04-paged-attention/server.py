@@ -1,8 +1,8 @@
 """Chapter 04: PagedAttention with static batching.
 
-Switches on: common/block_manager.py (blocks of --block-size tokens handed
+Switches on: common/engine/block_manager.py (blocks of --block-size tokens handed
 out on demand, prefix caching with --enable-prefix-caching),
-common/triton_kernels.py on CUDA. The waiting requests are grouped into one
+common/layers/triton_kernels.py on CUDA. The waiting requests are grouped into one
 batch, as many as the blocks allow at their worst case; the batch runs
 until all of them finish; new arrivals wait for the whole batch.
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.engine_server import main  # noqa: E402
+from common.entrypoints.chat_server import main  # noqa: E402
 
 if __name__ == "__main__":
     main("Chapter 04: paged attention, static batching",

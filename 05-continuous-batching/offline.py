@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.llm import LLM  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.entrypoints.llm import LLM  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 TEXTS = [
     "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first "

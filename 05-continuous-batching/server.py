@@ -1,6 +1,6 @@
 """Chapter 05: continuous batching.
 
-Switches on: common/scheduler.py's continuous policy. At every step the
+Switches on: common/engine/scheduler.py's continuous policy. At every step the
 running sequences decode one token each, waiting ones join as soon as
 blocks and budgets allow, finished ones leave at once; long prompts are
 prefilled in chunks; when blocks run out the newest sequence is preempted
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.engine_server import main  # noqa: E402
+from common.entrypoints.chat_server import main  # noqa: E402
 
 if __name__ == "__main__":
     main("Chapter 05: continuous batching",

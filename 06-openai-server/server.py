@@ -1,8 +1,8 @@
 """Chapter 06: the OpenAI-compatible server, complete.
 
-Switches on: common/api_server.py (streaming, /v1/completions, n, stop
+Switches on: common/entrypoints/api_server.py (streaming, /v1/completions, n, stop
 strings, logprobs, tokenize, errors, API key, backpressure, cancellation)
-and common/metrics.py (Prometheus, vLLM's names), on chapter 05's engine.
+and common/entrypoints/metrics.py (Prometheus, vLLM's names), on chapter 05's engine.
 
     python 06-openai-server/server.py --device-memory-gb 1.1
     python 06-openai-server/server.py --host 0.0.0.0 --api-key secret   # on the network
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.api_server import main  # noqa: E402
+from common.entrypoints.api_server import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ head_dim 64; Llama-3-8B: 32/8, head_dim 128) in bfloat16 with block size 16,
 it builds a paged cache with shuffled blocks and runs `store_kvcache`,
 `paged_decode_attention` (64 sequences, contexts up to 2048) and
 `paged_prefill_attention` (64 sequences, some with a cached prefix), from
-common/triton_kernels.py and from common/attention.py. Both are held to a
+common/layers/triton_kernels.py and from common/layers/attention.py. Both are held to a
 float32 run of the reference on the same numbers; then both are timed with
 CUDA events and the table shows the reference's time over Triton's.
 A short float32 pass checks the exact (non-TF32) path too.
@@ -220,8 +220,8 @@ def main() -> int:
 
     import triton
 
-    from common import attention as reference
-    from common import triton_kernels as kernels
+    from common.layers import attention as reference
+    from common.layers import triton_kernels as kernels
 
     args.gen = torch.Generator().manual_seed(args.seed)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")

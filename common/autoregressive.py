@@ -4,7 +4,7 @@ Each new token re-runs the model over the *whole* sequence so far: step t
 costs a forward pass over prompt + t tokens, so n new tokens cost O(n^2)
 token-forwards. That is the baseline the KV cache (chapter 03) removes.
 
-Left out: batching, top-k/top-p and penalties (common/sampling.py, ch03).
+Left out: batching, top-k/top-p and penalties (common/layers/sampler.py, ch03).
 """
 from __future__ import annotations
 

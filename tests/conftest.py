@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common.loader import load_model  # noqa: E402
-from common.loadtest import ChapterServer  # noqa: E402
+from bench.loadtest import ChapterServer  # noqa: E402
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
 
 
 def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, **config):

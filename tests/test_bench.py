@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from common import bench
-from common.loadtest import CHAPTERS
+from bench import bench
+from bench.loadtest import CHAPTERS
 
 pytestmark = pytest.mark.bench
 TINY = ["--model", "tiny-llama", "--load-format", "dummy"]

@@ -4,7 +4,7 @@ import gc
 import pytest
 import torch
 
-from common.loadtest import format_table, run_load
+from bench.loadtest import format_table, run_load
 from common.memory import MiB, Card, kv_bytes_per_token
 from tests.conftest import PROMPTS, openai_client
 from tests.test_ch01_foundation import assert_bad_input_rejected

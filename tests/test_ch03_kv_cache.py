@@ -3,14 +3,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from common.attention import AttentionMetadata
+from common.layers.attention import AttentionMetadata
 from common.autoregressive import generate_without_cache
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 from common.loader import apply_chat_template
-from common.loadtest import run_load
+from bench.loadtest import run_load
 from common.memory import Card
 from common.models import build_forward
-from common.sampling import Sampler, SamplingParams, filter_logits
+from common.layers.sampler import Sampler, filter_logits
+from common.sampling_params import SamplingParams
 from tests.conftest import PROMPTS, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 

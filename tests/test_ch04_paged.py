@@ -1,12 +1,12 @@
 """Chapter 04: blocks, block tables, prefix caching, static batching."""
 import pytest
 
-from common import block_manager as bm_module
-from common.block_manager import BlockManager
+from common.engine import block_manager as bm_module
+from common.engine.block_manager import BlockManager
 from common.loader import apply_chat_template
-from common.loadtest import SYSTEM_PROMPT, run_load
-from common.sampling import SamplingParams
-from common.sequence import Sequence
+from bench.loadtest import SYSTEM_PROMPT, run_load
+from common.sampling_params import SamplingParams
+from common.engine.sequence import Sequence
 from tests.conftest import PROMPTS, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 

@@ -3,11 +3,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.detokenizer import IncrementalDetokenizer
-from common.llm import LLM
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.entrypoints.llm import LLM
 from common.loader import apply_chat_template
-from common.loadtest import run_load
-from common.sampling import SamplingParams
+from bench.loadtest import run_load
+from common.sampling_params import SamplingParams
 from tests.conftest import PROMPTS, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 

@@ -16,8 +16,8 @@ import pytest
 import requests
 import uvicorn
 
-from common.api_server import build_app
-from common.engine import AsyncLLMEngine
+from common.entrypoints.api_server import build_app
+from common.engine.llm_engine import AsyncLLMEngine
 from common.loader import apply_chat_template
 from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client
 from tests.engine_helpers import make_engine

@@ -1,7 +1,7 @@
 """Chapter 04: the Triton kernels agree with the PyTorch reference.
 
 Without a GPU the kernels run on CPU tensors under the Triton interpreter
-(TRITON_INTERPRET=1, set below before common.triton_kernels is imported).
+(TRITON_INTERPRET=1, set below before common.layers.triton_kernels is imported).
 The interpreter is slow, so these cases are small: head_dim 16, a handful of
 heads and sequences. With a GPU, the same comparisons run on CUDA tensors,
 and `test_on_cuda_bfloat16` repeats them in bfloat16 at real head sizes.
@@ -34,17 +34,17 @@ def use_triton_interpreter() -> None:
             for name in ("triton.language.standard", "triton.language.random",
                          "triton.language"):
                 importlib.reload(sys.modules[name])
-        kernels = sys.modules.get("common.triton_kernels")
+        kernels = sys.modules.get("common.layers.triton_kernels")
         if kernels is not None and not isinstance(kernels._store_kvcache_kernel,
                                                   InterpretedFunction):
             importlib.reload(kernels)
 
 
 if not ON_CUDA:
-    use_triton_interpreter()  # before common.triton_kernels defines its kernels
+    use_triton_interpreter()  # before common.layers.triton_kernels defines its kernels
 
-from common import attention as reference  # noqa: E402
-from common import triton_kernels  # noqa: E402
+from common.layers import attention as reference  # noqa: E402
+from common.layers import triton_kernels  # noqa: E402
 
 pytestmark = pytest.mark.ch04
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.attention import AttentionMetadata, paged_attention
+from common.layers.attention import AttentionMetadata, paged_attention
 from common.models import lm_head
 
 

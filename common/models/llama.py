@@ -2,7 +2,7 @@
 Qwen2 (q/k/v biases) and Mistral.
 
 Per layer: RMSNorm -> q, k, v projections -> rotary embeddings -> attention
-through the paged KV cache (common/attention.py) -> output projection ->
+through the paged KV cache (common/layers/attention.py) -> output projection ->
 residual; RMSNorm -> SwiGLU MLP -> residual. Grouped-query attention: fewer
 K/V heads than query heads, so the cache is smaller.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.attention import AttentionMetadata, paged_attention
+from common.layers.attention import AttentionMetadata, paged_attention
 from common.models import lm_head
 
 

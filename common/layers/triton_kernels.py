@@ -1,6 +1,6 @@
 """Paged attention as Triton kernels (ch04).
 
-The same three operations as the PyTorch reference in common/attention.py,
+The same three operations as the PyTorch reference in common/layers/attention.py,
 with the same names, arguments and results; attention.py calls these on
 CUDA (`_kernels_for`). Each is one `@triton.jit` kernel plus a thin Python
 wrapper that checks the inputs, picks the grid and launches it:
@@ -398,7 +398,7 @@ def _check_head_dim(head_dim: int) -> None:
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
         f"the Triton kernels need head_dim to be a power of two >= 16 (tl.arange "
         f"and tl.dot sizes); got head_dim={head_dim}. Use the PyTorch reference "
-        f"in common/attention.py for this model.")
+        f"in common/layers/attention.py for this model.")
 
 
 def _check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

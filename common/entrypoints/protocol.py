@@ -6,7 +6,7 @@
   "code"}}`, including FastAPI's validation errors (422 -> 400);
 - `build_chat_app`: the chat endpoint around a chapter's `generate`;
 - ch06: the text-completion request, streaming chunks and logprobs shapes
-  (`common/api_server.py` serves them).
+  (`common/entrypoints/api_server.py` serves them).
 
 Left out: tools/function calling, response_format, audio and images,
 `best_of`, `echo`, `suffix`, `logit_bias` (accepted and ignored, like any

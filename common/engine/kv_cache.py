@@ -9,7 +9,7 @@ by the bytes of one block.
 Chapter 03 calls a block of `max_model_len` slots a *region*: each sequence
 reserves one whole region when it starts (the classic pre-allocation), and
 requests that find no free region wait. Chapter 04 cuts the same memory into
-blocks of 16 slots handed out on demand (common/block_manager.py).
+blocks of 16 slots handed out on demand (common/engine/block_manager.py).
 
 Left out: CPU swap space, per-layer cache sizes (sliding windows), FP8.
 """

@@ -41,11 +41,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common import __version__
 from common.config import config_from_args
-from common.engine import AsyncLLMEngine, LLMEngine, RequestOutput, RequestStream
-from common.engine_server import sampling_params_from_request
+from common.engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput, RequestStream
+from common.entrypoints.chat_server import sampling_params_from_request
 from common.loader import apply_chat_template
-from common.metrics import Metrics, RequestTracker
-from common.openai_api import (APIError, ChatChoice, ChatCompletionChunk,
+from common.entrypoints.metrics import Metrics, RequestTracker
+from common.entrypoints.protocol import (APIError, ChatChoice, ChatCompletionChunk,
                                ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                ChatMessage, ChunkChoice, CompletionChoice,
                                CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -54,7 +54,8 @@ from common.openai_api import (APIError, ChatChoice, ChatCompletionChunk,
                                check_context_length,
                                check_model_name, error_response, install_error_handlers,
                                new_id, run_server, server_parser)
-from common.sampling import SampledToken, SamplingParams
+from common.layers.sampler import SampledToken
+from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
 

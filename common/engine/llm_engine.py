@@ -25,16 +25,17 @@ from typing import AsyncIterator, Callable
 import torch
 
 from common.autoregressive import eos_token_ids
-from common.block_manager import BlockManager
+from common.engine.block_manager import BlockManager
 from common.config import EngineConfig
-from common.detokenizer import IncrementalDetokenizer
-from common.kv_cache import KVCache, num_blocks_for_card
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.kv_cache import KVCache, num_blocks_for_card
 from common.loader import LoadedModel, load_model
 from common.memory import Card
-from common.model_runner import ModelRunner
-from common.sampling import SampledToken, SamplingParams
-from common.scheduler import Scheduler
-from common.sequence import Sequence
+from common.engine.model_runner import ModelRunner
+from common.layers.sampler import SampledToken
+from common.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import Sequence
 
 log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from common.attention import AttentionMetadata
-from common.kv_cache import KVCache
+from common.layers.attention import AttentionMetadata
+from common.engine.kv_cache import KVCache
 from common.models import build_forward
-from common.sampling import SampledToken, Sampler
-from common.scheduler import ScheduledSeq
+from common.layers.sampler import SampledToken, Sampler
+from common.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:

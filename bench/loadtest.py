@@ -1,7 +1,7 @@
 """The one load test every chapter is run against (ch02).
 
-    python -m common.loadtest --url http://127.0.0.1:8000 --clients 8 --requests 2
-    python -m common.loadtest --chapter 05 --clients 32 --device-memory-gb 1.1
+    python -m bench.loadtest --url http://127.0.0.1:8000 --clients 8 --requests 2
+    python -m bench.loadtest --chapter 05 --clients 32 --device-memory-gb 1.1
 
 N concurrent clients each send R chat requests, one after another, with
 prompts from a fixed set (all sharing one system prompt, as real apps do).

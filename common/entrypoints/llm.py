@@ -1,7 +1,7 @@
 """The offline API, like vLLM's `LLM` (ch05).
 
-    from common.llm import LLM
-    from common.sampling import SamplingParams
+    from common.entrypoints.llm import LLM
+    from common.sampling_params import SamplingParams
     llm = LLM(model="smollm2")
     outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
@@ -19,9 +19,9 @@ from dataclasses import dataclass, fields
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.engine import LLMEngine, RequestOutput
+from common.engine.llm_engine import LLMEngine, RequestOutput
 from common.loader import LoadedModel, apply_chat_template
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 @dataclass

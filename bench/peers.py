@@ -1,7 +1,7 @@
 """Peers: transformers' own ways to serve the bench's load, in-process (bench).
 
-    python -m common.peers --clients 32 --max-tokens 64
-    python -m common.peers --clients 4 --max-tokens 8 tiny-llama --load-format dummy
+    python -m bench.peers --clients 32 --max-tokens 64
+    python -m bench.peers --clients 4 --max-tokens 8 tiny-llama --load-format dummy
 
 `make bench PEERS=1` puts three baselines beside the chapters, on the same
 prompts (the load test's `prompt_messages`, through the model's chat
@@ -20,7 +20,7 @@ with `ignore_eos`), all greedy:
 Every request arrives at t=0 (an offline batch), so the latency of request
 i is the time from t=0 to its last token, queueing included, which is what
 a closed-loop client with one request sees. The figures come out of
-`common.loadtest.summarize`, with the chapters' definitions. TTFT, TPOT and
+`bench.loadtest.summarize`, with the chapters' definitions. TTFT, TPOT and
 ITL exist only for `hf-generate-batch` (it timestamps each token).
 
 Left out: HTTP (the peers pay no server overhead), the card (nothing is
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from common.loader import LoadedModel, apply_chat_template, load_model
-from common.loadtest import RequestResult, format_table, prompt_messages, summarize
+from bench.loadtest import RequestResult, format_table, prompt_messages, summarize
 
 DEADLINE_ERROR = "load test deadline reached"  # the load test's own words
 PAGE_SIZE = 16  # tokens per KV block, our engine's default --block-size

@@ -3,7 +3,7 @@
 The cache of one layer is two tensors `(num_blocks, block_size, num_kv_heads,
 head_dim)`; flattened, slot `s` = block `s // block_size`, offset
 `s % block_size`. Three operations, one interface (the Triton versions in
-common/triton_kernels.py take the same arguments and are used on CUDA):
+common/layers/triton_kernels.py take the same arguments and are used on CUDA):
 
 1. `store_kvcache`: write the new tokens' K/V at their `slot_mapping`.
 2. `paged_decode_attention`: one query token per sequence, over its
@@ -155,6 +155,6 @@ class _TorchOps:
 
 def _kernels_for(device: torch.device):
     if device.type == "cuda":
-        from common import triton_kernels  # ch04: the same operations in Triton
+        from common.layers import triton_kernels  # ch04: the same operations in Triton
         return triton_kernels
     return _TorchOps

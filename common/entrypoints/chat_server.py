@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 
 from common.config import config_from_args
-from common.engine import AsyncLLMEngine, LLMEngine
+from common.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from common.loader import apply_chat_template
-from common.openai_api import (APIError, ChatCompletionRequest, Completion, SamplingFields,
+from common.entrypoints.protocol import (APIError, ChatCompletionRequest, Completion, SamplingFields,
                                build_chat_app, new_id, run_server, server_parser)
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def sampling_params_from_request(req: SamplingFields, max_tokens: int, seed_offset: int = 0,

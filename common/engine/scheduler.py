@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from common.block_manager import BlockManager
-from common.sequence import Sequence, SequenceStatus
+from common.engine.block_manager import BlockManager
+from common.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

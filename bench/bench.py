@@ -1,14 +1,14 @@
 """`make bench`: every chapter on the same card and the same load (bench).
 
-    python -m common.bench                  # chapters 01-06, demo card (~10 min, 2-core CPU)
-    python -m common.bench --preset quick   # the same in about 2 minutes
-    python -m common.bench --peers          # + transformers' own ways (common/peers.py)
-    python -m common.bench --preset sweep   # tokens/s and p95 latency vs clients
-    python -m common.bench --preset gpu     # CUDA, dummy Llama-1B in bfloat16
+    python -m bench.bench                  # chapters 01-06, demo card (~10 min, 2-core CPU)
+    python -m bench.bench --preset quick   # the same in about 2 minutes
+    python -m bench.bench --peers          # + transformers' own ways (bench/peers.py)
+    python -m bench.bench --preset sweep   # tokens/s and p95 latency vs clients
+    python -m bench.bench --preset gpu     # CUDA, dummy Llama-1B in bfloat16
 
 For each chapter it starts the chapter's server on the card
-(`common.loadtest.ChapterServer`), runs the load test on it
-(`common.loadtest.run_load`, once per number of clients, fewest first),
+(`bench.loadtest.ChapterServer`), runs the load test on it
+(`bench.loadtest.run_load`, once per number of clients, fewest first),
 reads the server's `/stats`, stops the server and moves on. Chapter 02
 runs twice: on the demo card, where it fails by design (its failures are
 rows of the table, not a crash of the bench), and on a roomy card, so that
@@ -16,7 +16,7 @@ its throughput is measured at all. Chapter 01 recomputes the whole sequence
 for every token, so it gets a lighter load, and its row says so. A chapter
 whose `server.py` is not written yet is skipped, and its row says so.
 
-The figures follow vLLM's benchmark definitions (common/loadtest.py):
+The figures follow vLLM's benchmark definitions (bench/loadtest.py):
 output tokens/s, requests/s, TTFT, TPOT, ITL, end-to-end latency, plus the
 server's KV memory reserved vs used, waste, peak running sequences and
 preemptions. TTFT, TPOT and ITL need streaming: only chapter 06 streams
@@ -55,7 +55,7 @@ import transformers
 from tqdm import tqdm
 
 from common.loader import load_model
-from common.loadtest import (
+from bench.loadtest import (
     CHAPTERS,
     ROOT,
     ChapterServer,
@@ -64,7 +64,7 @@ from common.loadtest import (
     send_one,
 )
 from common.memory import MiB
-from common.peers import PEERS, run_peer
+from bench.peers import PEERS, run_peer
 
 BENCH_DIR = ROOT / "bench"
 STREAMING_CHAPTERS = {"06"}  # the chapters whose server streams (TTFT, TPOT, ITL)
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: preset {s.preset!r} needs a CUDA GPU, and torch {torch.__version__} "
               "sees none here. On the CPU run `make bench`.", file=sys.stderr)
         return 2
-    command = "python -m common.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     when, start = datetime.datetime.now(), time.perf_counter()
     print(f"bench: {len(plan(s))} systems, clients {s.clients}, {s.max_tokens} tokens, "
           f"model {s.model} ({s.dtype}), card {s.card_gb or 'whole'}", flush=True)

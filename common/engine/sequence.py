@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sampling import SampledToken, SamplingParams
+from common.layers.sampler import SampledToken
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

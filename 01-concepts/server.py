@@ -11,28 +11,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.autoregressive import eos_token_ids, generate_without_cache  # noqa: E402
-from common.loader import apply_chat_template, load_model  # noqa: E402
-from common.entrypoints.protocol import (ChatCompletionRequest, Completion,  # noqa: E402
-                               build_chat_app, run_server, server_parser)
+from common.loader import load_model  # noqa: E402
+from common.entrypoints.chat_server import (Completion, build_chat_app,  # noqa: E402
+                                            parse_server_args, serve, server_parser)
+from common.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 
 
-def main() -> None:
-    args = server_parser("Chapter 01: the autoregressive loop by hand").parse_args()
+def main() -> int:
+    args = parse_server_args(server_parser("Chapter 01: the autoregressive loop by hand"))
     lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)
     eos = eos_token_ids(lm.model, lm.tokenizer)
 
-    def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int) -> Completion:
+    def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int,
+                 seed: int | None) -> Completion:
         stop_ids = set() if req.ignore_eos else eos  # the load test asks for ignore_eos
         new_ids, reason = generate_without_cache(
-            lm.model, prompt_ids, max_tokens, req.temperature, stop_ids, req.seed)
+            lm.model, prompt_ids, max_tokens, req.temperature, stop_ids, seed)
         return Completion(new_ids, reason)
 
     app = build_chat_app(
         "Chapter 01: generation by hand", args.served_model_name or args.model,
-        args.max_model_len or lm.max_model_len, lm.tokenizer, generate,
-        lambda messages: apply_chat_template(lm.tokenizer, messages), serialize=True)
-    run_server(app, args.host, args.port)
+        args.max_model_len or lm.max_model_len, lm.tokenizer, generate, serialize=True)
+    return serve(app, args.host, args.port)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

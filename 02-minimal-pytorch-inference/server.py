@@ -16,15 +16,16 @@ import torch  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 from common.autoregressive import eos_token_ids  # noqa: E402
-from common.loader import apply_chat_template, load_model  # noqa: E402
+from common.loader import load_model  # noqa: E402
 from common.memory import (Card, activation_bytes_estimate,  # noqa: E402
                            format_bytes, kv_bytes_per_token)
-from common.entrypoints.protocol import (ChatCompletionRequest, Completion,  # noqa: E402
-                               build_chat_app, log, run_server, server_parser)
+from common.entrypoints.chat_server import (Completion, build_chat_app, log,  # noqa: E402
+                                            parse_server_args, serve, server_parser)
+from common.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 
 
-def main() -> None:
-    args = server_parser("Chapter 02: the naive model.generate server").parse_args()
+def main() -> int:
+    args = parse_server_args(server_parser("Chapter 02: the naive model.generate server"))
     lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)
     max_model_len = args.max_model_len or lm.max_model_len
     card = Card(lm.device, args.device_memory_gb, args.gpu_memory_utilization)
@@ -34,16 +35,19 @@ def main() -> None:
           f"{format_bytes(kv_per_request)} of KV cache ({max_model_len} tokens)", flush=True)
     eos = list(eos_token_ids(lm.model, lm.tokenizer))
 
-    def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int) -> Completion:
+    def generate(prompt_ids: list[int], req: ChatCompletionRequest, max_tokens: int,
+                 seed: int | None) -> Completion:
         # Problem 4: reserve the worst case (max_model_len), whatever the prompt.
         activations = activation_bytes_estimate(lm.model.config, len(prompt_ids), lm.dtype)
         with card.reserve(kv_per_request + activations, "a static KV cache of "
                           f"{max_model_len} tokens + activations"):
+            log.info("[ch02] reserved %s for a request: %s", format_bytes(kv_per_request),
+                     card.describe())
             # Problem 1: a fresh cache per request, no reuse of shared prefixes.
             cache = StaticCache(config=lm.model.config, max_cache_len=max_model_len)
             input_ids = torch.tensor([prompt_ids], device=lm.device)
-            if req.seed is not None:
-                torch.manual_seed(req.seed)
+            if seed is not None:
+                torch.manual_seed(seed)
             # Problem 2: one request per generate call, no batching.
             output = lm.model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids),
@@ -62,10 +66,9 @@ def main() -> None:
     # all of them racing for the same card.
     app = build_chat_app(
         "Chapter 02: naive inference server", args.served_model_name or args.model,
-        max_model_len, lm.tokenizer, generate,
-        lambda messages: apply_chat_template(lm.tokenizer, messages))
-    run_server(app, args.host, args.port)
+        max_model_len, lm.tokenizer, generate, implemented={"top_p"})
+    return serve(app, args.host, args.port)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

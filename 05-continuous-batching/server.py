@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.engine.scheduler import ContinuousScheduler  # noqa: E402
 from common.entrypoints.chat_server import main  # noqa: E402
 
 if __name__ == "__main__":
-    main("Chapter 05: continuous batching",
-         policy="continuous")  # ch05: iteration-level scheduling
+    sys.exit(main("Chapter 05: continuous batching",
+                  scheduler_cls=ContinuousScheduler))  # ch05: iteration-level scheduling

@@ -44,9 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (vLLM names) to a parser."""
     d = EngineConfig()
     p = parser
-    p.add_argument("model", nargs="?", default=d.model,
+    p.add_argument("model_positional", nargs="?", default=None, metavar="model",
                    help="'smollm2' (embedded default), a Hugging Face id, a "
                         "local path or a .gguf file")
+    p.add_argument("--model", default=None,
+                   help="the same as the positional model (`vllm serve` takes both)")
     p.add_argument("--served-model-name", default=None,
                    help="name reported by /v1/models (default: the model)")
     p.add_argument("--dtype", default=d.dtype,
@@ -77,6 +79,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
     return p
+
+
+def resolve_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`serve MODEL` or `serve --model MODEL`, as vLLM accepts both."""
+    given = {args.model_positional, args.model} - {None}
+    if len(given) > 1:
+        parser.error(f"two different models given: {args.model_positional!r} and "
+                     f"--model {args.model!r}")
+    args.model = given.pop() if given else DEFAULT_MODEL
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,13 +1,26 @@
 """SamplingParams: how to pick the tokens of one request (ch03).
 
-vLLM's names and defaults. The entrypoints build one from each OpenAI
-request; the engine and the sampler only read it.
+vLLM's names and defaults. The entrypoints build one from each request
+(after validating it: the engine trusts what it is given); the engine and
+the sampler only read it.
 
-Left out: beam search, best_of, guided decoding.
+`output_kind` says what the request receives as it runs (vLLM's
+`RequestOutputKind`): only the final output (the offline `LLM`, ch05), or
+a delta per new token (the servers, which stream or collect the deltas).
+Either way no output copies the whole sequence at every token.
+
+Left out: beam search, best_of, guided decoding, the cumulative output kind
+(every output repeating all the text so far).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    DELTA = "delta"  # one output per new token: the new token ids and text
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass
@@ -20,6 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -27,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return (0: chosen only)
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -46,3 +61,9 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to adjust or report: a batched argmax serves it."""
+        return (self.greedy and not self.needs_penalties and not self.logit_bias
+                and self.logprobs is None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,12 @@ def openai_client(url: str, strict: bool = True, **kwargs):
     import openai
     return openai.OpenAI(base_url=url + "/v1", api_key=kwargs.pop("api_key", "none"),
                          max_retries=0, _strict_response_validation=strict, **kwargs)
+
+
+def wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    """Poll until `condition()` holds. The test waits for an event, not for
+    a time: the timeout only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

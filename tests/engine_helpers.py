@@ -3,12 +3,17 @@ from __future__ import annotations
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.scheduler import ContinuousScheduler, StaticScheduler
 from common.sampling_params import SamplingParams
 
 
+SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler}
+
+
 def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, **config):
+    """policy: "static" (ch03-04) or "continuous" (ch05)."""
     config.setdefault("device_memory_gb", 2.0)
-    return LLMEngine(EngineConfig(**config), policy=policy, loaded=loaded,
+    return LLMEngine(EngineConfig(**config), scheduler_cls=SCHEDULERS[policy], loaded=loaded,
                      num_blocks=num_blocks, block_size_is_max_model_len=contiguous)
 
 

@@ -63,21 +63,49 @@ def test_ch01_over_http_with_the_openai_client(ch01):
 
 
 def assert_bad_input_rejected(url: str) -> None:
-    """Malformed JSON, empty messages, negative max_tokens -> 400 + envelope."""
+    """Malformed JSON, empty messages, negative max_tokens, loose types, a
+    lone surrogate, a prompt too long, a field this chapter does not
+    implement -> 400 + envelope; then the server still answers."""
     endpoint = url + "/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
     cases = [
-        dict(data="{not json", headers={"content-type": "application/json"}),
-        dict(json={"messages": []}),
-        dict(json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}),
-        dict(json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+        (dict(data="{not json", headers={"content-type": "application/json"}), None),
+        (dict(json={"messages": []}), "messages"),
+        (dict(json={"messages": hi, "max_tokens": -1}), "max_tokens"),
+        (dict(json={"messages": hi, "temperature": "hot"}), "temperature"),
+        (dict(json={"messages": hi, "max_tokens": "8"}), "max_tokens"),
+        (dict(json={"messages": hi, "seed": 2 ** 64}), "seed"),
+        (dict(data='{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+              headers={"content-type": "application/json"}), "messages.0.content"),
+        (dict(json={"messages": [{"role": "user", "content": "hello " * 9000}]}), "messages"),
+        (dict(json={"messages": hi, "stop": ["."]}), "stop"),  # not implemented here
+        (dict(json={"messages": hi, "stream": True}), "stream"),  # chapter 06 streams
     ]
-    for case in cases:
+    for case, param in cases:
         response = requests.post(endpoint, timeout=60, **case)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
+        assert error["param"] == param, error
     ok = requests.post(endpoint, json={"messages": PROMPTS[2], "max_tokens": 3}, timeout=120)
     assert ok.status_code == 200
+
+
+def test_model_is_a_positional_or_a_flag_as_in_vllm_serve():
+    from common.entrypoints.chat_server import server_parser
+    from common.config import resolve_model_flags
+
+    def model(*argv):
+        parser = server_parser("test")
+        args = parser.parse_args(list(argv))
+        resolve_model_flags(parser, args)
+        return args.model
+
+    assert model() == "smollm2"
+    assert model("gpt2") == model("--model", "gpt2") == "gpt2"
+    assert model("gpt2", "--model", "gpt2") == "gpt2"
+    with pytest.raises(SystemExit):
+        model("gpt2", "--model", "Qwen/Qwen2.5-0.5B-Instruct")
 
 
 def test_ch01_bad_input(ch01):

@@ -1,5 +1,6 @@
 """Chapter 03: our forward pass, the contiguous KV cache, the sampler."""
 import pytest
+import requests
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
@@ -12,6 +13,7 @@ from common.memory import Card
 from common.models import build_forward
 from common.layers.sampler import Sampler, filter_logits
 from common.sampling_params import SamplingParams
+from tests.bad_inputs import assert_rejected_on_one_connection
 from tests.conftest import PROMPTS, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 
@@ -152,3 +154,30 @@ def test_ch03_load_test_on_the_demo_card_queues_instead_of_crashing(ch03_server)
     stats = summary["server_stats"]
     assert stats["peak_running"] == 1 and stats["avg_kv_waste_perc"] > 95
     assert "KV waste" in ch03_server.log_path.read_text()
+
+
+def test_ch03_hostile_input_is_a_400_naming_the_param(ch03_server):
+    assert_rejected_on_one_connection(ch03_server.url)
+
+
+def test_ch03_answers_from_the_engine_text_stop_strings_cut(ch03_server):
+    body = {"messages": PROMPTS[0], "temperature": 0, "max_tokens": 20}
+    whole = requests.post(ch03_server.url + "/v1/chat/completions", json=body,
+                          timeout=300).json()["choices"][0]
+    assert "Paris" in whole["message"]["content"]
+    cut = requests.post(ch03_server.url + "/v1/chat/completions",
+                        json={**body, "stop": ["Paris"]}, timeout=300).json()["choices"][0]
+    assert cut["message"]["content"] == whole["message"]["content"].split("Paris")[0]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_the_engine_logs_its_line_when_it_goes_idle(embedded, caplog):
+    """The periodic line is also written when the last request finishes, so
+    a burst shorter than the interval still gets one (on any machine)."""
+    engine = make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1,
+                         max_model_len=512, num_blocks=1)
+    engine.log_interval_s = 1e9  # never on time: only the idle line
+    with caplog.at_level("INFO", logger="llm-course"):
+        run_all(engine, {"x": apply_chat_template(embedded.tokenizer, PROMPTS[0])}, greedy(4))
+    lines = [r.getMessage() for r in caplog.records if "KV waste" in r.getMessage()]
+    assert len(lines) == 1 and "Running: 0 reqs" in lines[0]

@@ -168,5 +168,21 @@ def test_ch04_load_test_on_the_demo_card(ch04_server):
         summary = run_load(ch04_server.url, clients, 1, max_tokens=8, timeout=300, deadline=600)
         assert summary["failed"] == 0 and summary["completed"] == clients
     stats = summary["server_stats"]
-    assert stats["peak_running"] > 1 and stats["avg_kv_waste_perc"] < 30
-    assert stats["prefix_cache_hits"] > 0
+    # How many requests share a static batch depends on when they arrive
+    # (test_alone_equals_inside_a_batch_of_different_lengths checks batching
+    # with a fixed order); these hold for any arrival order.
+    assert stats["avg_kv_waste_perc"] < 30
+    assert stats["prefix_cache_hits"] > 0  # the second load reuses the first's system prompt
+
+
+def test_each_full_block_is_hashed_once(tiny_llama, monkeypatch):
+    """O(1) work per token: a block's hash is computed when it fills, not
+    again at every step."""
+    hashed = []
+    real = bm_module.compute_block_hash
+    monkeypatch.setattr(bm_module, "compute_block_hash",
+                        lambda prev, tokens: hashed.append(tokens) or real(prev, tokens))
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    run_all(engine, {"x": list(range(1, 11))}, greedy(30, ignore_eos=True))
+    # 10 + 30 tokens, the last never fed: 39 computed = 9 full blocks, each hashed once.
+    assert len(hashed) == 9

@@ -7,6 +7,7 @@ model, so a test can hold the engine's step lock or make a step fail.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import threading
 import time
@@ -17,9 +18,12 @@ import requests
 import uvicorn
 
 from common.entrypoints.api_server import build_app
-from common.engine.llm_engine import AsyncLLMEngine
+from common.entrypoints.chat_server import exit_code, make_server
+from common.entrypoints.metrics import Metrics
+from common.engine.async_llm import AsyncLLMEngine
 from common.loader import apply_chat_template
-from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client
+from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
+from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client, wait_for
 from tests.engine_helpers import make_engine
 
 pytestmark = pytest.mark.ch06
@@ -266,6 +270,42 @@ def test_bad_input_gets_400_with_param(server):
         "messages": CHAT, "response_format": {"type": "json_object"}}), 400, "response_format")
 
 
+def test_hostile_input_is_a_400_naming_the_param_on_a_kept_connection(server):
+    assert_rejected_on_one_connection(server.url, headers=AUTH)
+    completions = [
+        ({"prompt": "a\ud800b"}, "prompt", None),
+        ({"prompt": ["fine", "\udc00"]}, "prompt.1", None),
+        ({"prompt": [1, 2, 1000000]}, "prompt", None),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
+        ({"prompt": "x", "echo": True}, "echo", None),
+        ({"prompt": "x", "suffix": "the end"}, "suffix", None),
+        ({"prompt": "x", "best_of": 3}, "best_of", None),
+        ({"prompt": "x", "max_tokens": "4"}, "max_tokens", None),
+        ({"prompt": "hello " * 9000}, "prompt", "context_length_exceeded"),
+    ]
+    assert_rejected_on_one_connection(server.url, completions, "/v1/completions", AUTH)
+
+
+def test_a_bad_request_amid_concurrent_good_ones_hurts_none(server):
+    texts = bad_amid_good(server.url, AUTH)
+    assert len(set(texts)) == 1 and "Paris" in texts[0]
+
+
+def test_logit_bias_is_applied(client, embedded):
+    plain = chat(client, max_tokens=12).choices[0].message.content
+    assert "Paris" in plain
+    paris = embedded.tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    biased = chat(client, max_tokens=12, logit_bias={str(paris[0]): -100})
+    assert "Paris" not in biased.choices[0].message.content
+
+
+def test_api_key_guards_the_tokenizer_endpoints(server):
+    for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})]:
+        assert_error(post(server, path, body, headers={}), 401)
+        assert post(server, path, body).status_code == 200
+    assert_error(post(server, "/detokenize", {"tokens": [1000000]}), 400, "tokens")
+
+
 def test_unknown_model_404_and_api_key_401(server, client):
     assert_error(post(server, "/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}),
                  404, "model")
@@ -322,7 +362,7 @@ def metric(server, name: str) -> float:
 def test_closed_streams_are_aborted_and_free_their_blocks(server):
     def open_and_close():
         response = post(server, "/v1/chat/completions", {
-            "messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+            "messages": CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True},
             stream=True)
         lines = response.iter_lines()
         for _ in range(2):
@@ -334,12 +374,8 @@ def test_closed_streams_are_aborted_and_free_their_blocks(server):
         t.start()
     for t in threads:
         t.join()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if (metric(server, "vllm:num_requests_running") == 0
-                and metric(server, "vllm:kv_cache_usage_perc") == 0):
-            break
-        time.sleep(0.2)
+    wait_for(lambda: metric(server, "vllm:num_requests_running") == 0
+             and metric(server, "vllm:kv_cache_usage_perc") == 0, "the aborts")
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
     assert requests.get(server.url + "/stats").json()["finished"]["abort"] >= 6
@@ -348,15 +384,16 @@ def test_closed_streams_are_aborted_and_free_their_blocks(server):
 # ------------------------------------------------- in-process: fault injection
 class LocalServer:
     """The chapter 06 app on a fresh engine over the shared model, served by
-    uvicorn in a thread of this process."""
+    uvicorn in a thread of this process (`make_server`, as `serve` does:
+    it shuts down when the engine loop dies)."""
 
-    def __init__(self, loaded, **app_kw):
-        self.engine = AsyncLLMEngine(make_engine(loaded, num_blocks=64))
+    def __init__(self, loaded=None, max_num_seqs: int = 64, engine=None, **app_kw):
+        self.engine = engine or AsyncLLMEngine(make_engine(loaded, num_blocks=64,
+                                                           max_num_seqs=max_num_seqs))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(build_app(self.engine, "local", **app_kw), host="127.0.0.1",
-                                port=port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = make_server(build_app(self.engine, "local", **app_kw), "127.0.0.1", port,
+                                  self.engine if engine is None else None, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -379,20 +416,44 @@ def local_chat(server, max_tokens=4, **kw) -> requests.Response:
                                                  "temperature": 0, **kw}, headers={})
 
 
-def test_queue_full_gets_503_and_the_queued_requests_finish(local):
-    results = []
-    with local.engine._lock:  # the engine loop cannot step: requests pile up
-        threads = [threading.Thread(target=lambda: results.append(local_chat(local)))
-                   for _ in range(2)]
+def in_threads(n: int, work) -> tuple[list, list[threading.Thread]]:
+    """Start `work` n times in threads; returns (results list, threads)."""
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(work())) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_queue_full_gets_503_with_retry_after_and_the_queued_requests_finish(embedded):
+    local = LocalServer(embedded, max_num_seqs=2, max_waiting=2)
+    try:
+        with local.engine._lock:  # the engine loop cannot step: requests pile up
+            results, threads = in_threads(4, lambda: local_chat(local))
+            wait_for(lambda: local.engine.num_waiting() == 2, "2 requests waiting")
+            response = local_chat(local)  # 2 running slots, 2 waiting: full
+            error = assert_error(response, 503)
+            assert "overloaded" in error["message"] and response.headers["retry-after"] == "1"
+            # More choices than could ever be admitted: a 400, not "retry later".
+            assert_error(local_chat(local, n=5), 400, "n")
         for t in threads:
-            t.start()
-        while local.engine.num_waiting() < 2:
-            time.sleep(0.05)
-        error = assert_error(local_chat(local), 503)
-        assert "overloaded" in error["message"]
+            t.join()
+        assert [r.status_code for r in results] == [200] * 4
+    finally:
+        local.stop()
+
+
+def test_a_burst_on_an_idle_server_is_not_refused(local):
+    """--max-waiting counts requests that cannot be admitted: 40 arrivals
+    with 64 free sequence slots wait for nothing, even before the engine
+    loop has taken any of them in."""
+    with local.engine._lock:
+        results, threads = in_threads(40, lambda: local_chat(local, max_tokens=2))
+        wait_for(lambda: local.engine._inbox.qsize() == 40, "40 queued requests")
+        assert local.engine.num_waiting() == 0
     for t in threads:
         t.join()
-    assert [r.status_code for r in results] == [200, 200]
+    assert [r.status_code for r in results] == [200] * 40
 
 
 def test_internal_error_gives_500_and_the_engine_keeps_serving(local):
@@ -408,6 +469,60 @@ def test_internal_error_gives_500_and_the_engine_keeps_serving(local):
     assert "simulated kernel failure" in error["message"]
     assert local_chat(local).status_code == 200
     assert local.engine.engine.block_manager.num_free_blocks == 64
+
+
+def test_an_unexpected_500_keeps_the_keep_alive_connection(local):
+    tokenizer = local.engine.tokenizer
+
+    def broken_template(*args, **kw):
+        del tokenizer.apply_chat_template  # fail once
+        raise RuntimeError("simulated template bug")
+
+    tokenizer.apply_chat_template = broken_template
+    port = int(local.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = json.dumps({"messages": CHAT, "max_tokens": 4, "temperature": 0})
+    headers = {"content-type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", body, headers)
+    first = conn.getresponse()
+    error = json.loads(first.read())["error"]
+    assert first.status == 500 and "simulated template bug" in error["message"]
+    assert error["type"] == "internal_server_error"
+    assert not first.will_close and conn.sock is not None
+    socket_used = conn.sock
+    conn.request("POST", "/v1/chat/completions", body, headers)  # the same connection
+    second = conn.getresponse()
+    assert second.status == 200 and json.loads(second.read())["choices"]
+    assert conn.sock is socket_used
+    conn.close()
+
+
+def test_one_sequence_failing_fails_only_its_own_request(local):
+    """A fault while sampling one row (here: the request seeded 666) finishes
+    that request with a 500; the requests in the same batches succeed."""
+    sampler = local.engine.engine.runner.sampler
+    original = sampler._sample_row
+
+    def faulty(row, p, *args):
+        if p.seed == 666:
+            raise IndexError("simulated fault in one row")
+        return original(row, p, *args)
+
+    sampler._sample_row = faulty
+    with local.engine._lock:  # all of them in the same steps
+        good, threads = in_threads(6, lambda: local_chat(local, max_tokens=8, temperature=0.7,
+                                                         seed=1))
+        bad, bad_threads = in_threads(1, lambda: local_chat(local, max_tokens=8,
+                                                            temperature=0.7, seed=666))
+        wait_for(lambda: local.engine._inbox.qsize() == 7, "7 queued requests")
+    for t in threads + bad_threads:
+        t.join()
+    assert [r.status_code for r in good] == [200] * 6
+    assert len({r.json()["choices"][0]["message"]["content"] for r in good}) == 1
+    error = assert_error(bad[0], 500)
+    assert "simulated fault in one row" in error["message"]
+    assert local.engine.engine.block_manager.num_free_blocks == 64
+    assert local.engine.snapshot()["finished"]["error"] == 1
 
 
 def test_error_after_the_stream_started_is_an_sse_error_event(local):
@@ -430,15 +545,78 @@ def test_error_after_the_stream_started_is_an_sse_error_event(local):
     assert local_chat(local).status_code == 200
 
 
-def test_health_is_503_when_the_engine_loop_died(local):
-    def dies(*_):
-        raise SystemExit("simulated loop death")  # not an Exception: the loop ends
+def test_tokenizing_a_prompt_does_not_block_the_event_loop(local):
+    """The chat template runs in a worker thread: while one request's
+    tokenization is stuck, /health and /v1/models still answer."""
+    tokenizer = local.engine.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    original = tokenizer.apply_chat_template
 
-    local.engine.engine.step = dies
-    local.engine.abort("nothing")  # wake the loop up
-    local.engine._thread.join(timeout=10)
-    assert_error(requests.get(local.url + "/health"), 503)
-    assert_error(local_chat(local), 503)
+    def slow_template(*args, **kw):
+        entered.set()
+        assert release.wait(60)
+        return original(*args, **kw)
+
+    tokenizer.apply_chat_template = slow_template
+    try:
+        results, threads = in_threads(1, lambda: local_chat(local))
+        assert entered.wait(60)
+        assert requests.get(local.url + "/health", timeout=10).status_code == 200
+        assert requests.get(local.url + "/v1/models", timeout=10).status_code == 200
+    finally:
+        release.set()
+        threads[0].join()
+        del tokenizer.apply_chat_template  # back to the class's method
+    assert results[0].status_code == 200
+
+
+def test_engine_death_503_for_everyone_then_the_server_exits_with_1(embedded):
+    local = LocalServer(embedded)
+    try:
+        results, threads = in_threads(1, lambda: local_chat(local, max_tokens=900,
+                                                            ignore_eos=True))
+        wait_for(lambda: local.engine.snapshot()["running"] == 1, "a running request")
+        stats_before = requests.get(local.url + "/stats").json()
+        assert stats_before["engine_alive"] is True
+
+        def dies(*_):
+            raise SystemExit("simulated loop death")  # not an Exception: the loop ends
+
+        with local.engine._lock:
+            local.engine.engine.step = dies
+        threads[0].join()
+        error = assert_error(results[0], 503)  # the request in flight
+        assert error["code"] == "engine_dead"
+        local.thread.join(timeout=60)  # the server shuts itself down
+        assert not local.thread.is_alive()
+        assert exit_code(local.engine) == 1
+        assert local.engine.snapshot()["engine_alive"] is False
+        metrics = Metrics(local.engine.snapshot, "local", lambda: local.engine.alive)
+        assert b'llm_course:engine_alive{model_name="local"} 0.0' in metrics.render()[0]
+    finally:
+        local.stop()
+
+
+def test_dead_engine_answers_503_on_health_chat_and_says_so_in_stats(embedded):
+    """Until the server has shut down, every request gets the 503 (here the
+    server is not told to exit, so we can look)."""
+    engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
+
+    def dies(*_):
+        raise SystemExit("simulated loop death")
+
+    engine.engine.step = dies
+    engine.abort("nothing")  # wake the loop up
+    engine._thread.join(timeout=10)
+    local = LocalServer(engine=engine)
+    try:
+        assert assert_error(requests.get(local.url + "/health"), 503)["code"] == "engine_dead"
+        assert assert_error(local_chat(local), 503)["code"] == "engine_dead"
+        assert requests.get(local.url + "/stats").json()["engine_alive"] is False
+        assert 'llm_course:engine_alive{model_name="local"} 0.0' in requests.get(
+            local.url + "/metrics").text
+    finally:
+        local.stop()
 
 
 def test_default_max_tokens_fits_a_small_cache(local):
@@ -448,3 +626,23 @@ def test_default_max_tokens_fits_a_small_cache(local):
                   headers={})
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openapi_schema_says_400_and_metrics_are_text(local):
+    schema = requests.get(local.url + "/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    chat_responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert chat_responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ErrorResponse")
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert_error(local_chat(local, max_tokens="8"), 400, "max_tokens")  # what it promises
+
+
+def test_disable_fastapi_docs(embedded):
+    local = LocalServer(embedded, disable_docs=True)
+    try:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert requests.get(local.url + path).status_code == 404
+        assert local_chat(local).status_code == 200
+    finally:
+        local.stop()

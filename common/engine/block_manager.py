@@ -53,6 +53,7 @@ class BlockManager:
         # free block can be taken out of the middle in O(1).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.num_shared_refs = 0  # sum over blocks of (ref_count - 1): for usage()
         self.prefix_queries = 0  # full prompt blocks looked up
         self.prefix_hits = 0  # ... and found
 
@@ -69,14 +70,20 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     # ------------------------------------------------------ prefix cache
-    def _block_hashes(self, token_ids: list[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """(hash, tokens) of every full block of `token_ids`."""
-        hashes, prev = [], None
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            tokens = tuple(token_ids[start:start + self.block_size])
-            prev = compute_block_hash(prev, tokens)
-            hashes.append((prev, tokens))
-        return hashes
+    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Hashes of the full blocks among seq's first `num_tokens` tokens.
+        Each block is hashed once in the sequence's life, when first asked
+        for (`seq.block_hashes` keeps them, even across a preemption)."""
+        num_full = num_tokens // self.block_size
+        while len(seq.block_hashes) < num_full:
+            j = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if j else None
+            seq.block_hashes.append(compute_block_hash(prev, self._block_tokens(seq, j)))
+        return seq.block_hashes[:num_full]
+
+    def _block_tokens(self, seq: Sequence, j: int) -> tuple[int, ...]:
+        """The token ids of seq's block number j."""
+        return tuple(seq.token_ids[j * self.block_size:(j + 1) * self.block_size])
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix we may reuse for `seq`.
@@ -87,13 +94,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for block_hash, tokens in self._block_hashes(seq.token_ids):
-            block_id = self.hash_to_block.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break  # a miss, or a hash collision caught by the token check
-            hits.append(block_id)
         max_reusable = (seq.num_tokens - 1) // self.block_size
-        return hits[:max_reusable]
+        for j, block_hash in enumerate(self._full_block_hashes(seq, seq.num_tokens)):
+            block_id = self.hash_to_block.get(block_hash)
+            if j == max_reusable or block_id is None:
+                break
+            if self.blocks[block_id].token_ids != self._block_tokens(seq, j):
+                break  # a hash collision, caught by the token check
+            hits.append(block_id)
+        return hits
 
     def _take_free_block(self) -> Block:
         block_id, _ = self.free_blocks.popitem(last=False)
@@ -107,6 +116,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_blocks[block_id]
+        else:
+            self.num_shared_refs += 1  # one more sequence reads this full block
         block.ref_count += 1
 
     # ------------------------------------------------------- the API
@@ -123,15 +134,16 @@ class BlockManager:
         assert not seq.block_table, "sequence already has blocks"
         cached = self._cached_prefix(seq)
         if self.enable_prefix_caching:
-            self.prefix_queries += len(self._block_hashes(seq.prompt_token_ids))
+            self.prefix_queries += seq.num_prompt_tokens // self.block_size
             self.prefix_hits += len(cached)
         for block_id in cached:
             self._reuse(block_id)
         seq.block_table = list(cached)
         for _ in range(self.blocks_needed(seq.num_tokens) - len(cached)):
             seq.block_table.append(self._take_free_block().block_id)
-        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_computed_tokens = len(cached) * self.block_size  # writer: admission
         seq.num_cached_tokens = seq.num_computed_tokens
+        seq.num_registered_blocks = len(cached)  # already in the prefix cache
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token: a free block only if the last is full."""
@@ -144,16 +156,17 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's full, computed blocks in the prefix cache."""
+        """Register the blocks that this step filled (full and computed) in
+        the prefix cache. Each block is registered once, when it fills."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
-        hashes = self._block_hashes(seq.token_ids[:num_full * self.block_size])
-        for block_id, (block_hash, tokens) in zip(seq.block_table, hashes):
-            block = self.blocks[block_id]
+        hashes = self._full_block_hashes(seq, seq.num_computed_tokens)
+        for j in range(seq.num_registered_blocks, len(hashes)):
+            block = self.blocks[seq.block_table[j]]
             if block.hash is None:
-                block.hash, block.token_ids = block_hash, tokens
-                self.hash_to_block.setdefault(block_hash, block_id)
+                block.hash, block.token_ids = hashes[j], self._block_tokens(seq, j)
+                self.hash_to_block.setdefault(hashes[j], block.block_id)
+        seq.num_registered_blocks = len(hashes)
 
     def deallocate(self, seq: Sequence) -> None:
         """Give back seq's blocks (a shared block stays until its last user)."""
@@ -162,20 +175,21 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
+            else:
+                self.num_shared_refs -= 1
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = 0  # writer: preemption or finish (the K/V are gone)
+        seq.num_registered_blocks = 0
 
     # ------------------------------------------------------- accounting
     def usage(self, seqs: list[Sequence]) -> dict:
         """Slots reserved (blocks in use x block size) vs slots holding a
-        token, counting a shared block once."""
-        filled: dict[int, int] = {}
-        for seq in seqs:
-            for j, block_id in enumerate(seq.block_table):
-                tokens = min(self.block_size, max(0, seq.num_computed_tokens - j * self.block_size))
-                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        computed token, counting a shared block once. O(number of seqs):
+        a shared block is a full cached block, counted once per reader in
+        the sum of `num_computed_tokens`."""
         reserved = self.num_used_blocks * self.block_size
-        used = sum(filled.values())
+        used = (sum(seq.num_computed_tokens for seq in seqs)
+                - self.num_shared_refs * self.block_size)
         return {"num_blocks": self.num_blocks, "used_blocks": self.num_used_blocks,
                 "reserved_slots": reserved, "used_slots": used,
                 "usage_perc": 100.0 * self.num_used_blocks / self.num_blocks,

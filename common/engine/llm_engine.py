@@ -1,67 +1,78 @@
-"""LLMEngine: add_request / step / abort, and its async front (ch03-05).
+"""LLMEngine: add_request / step / abort (ch03-05).
 
-`LLMEngine.step()` is one iteration: ask the scheduler what runs, run the
-model once on that flat batch, append the sampled tokens, detokenize, check
-stop conditions, free the blocks of finished sequences, return what changed.
+`LLMEngine.step()` is one iteration, as in nano-vllm:
 
-`AsyncLLMEngine` is what servers use: one background thread drives
-`step()` while there is work; each request gets its own asyncio stream of
-outputs; a request whose client goes away is aborted and its blocks freed at
-the next step.
+    batch   = scheduler.schedule()                  # who runs, how many tokens each
+    sampled = runner.run(batch)                     # one forward pass, one sampler call
+    seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
+    outputs = output_processor.process(seqs)        # text, stop strings, deltas
+
+The engine trusts its requests: the entrypoints (the HTTP servers, the
+offline `LLM`) validate each one once with `check_request` before
+`add_request`. One request's failure while sampling or processing its
+output finishes that request with an error; the others go on.
+
+The components a chapter switches on are arguments: the scheduler's type
+(`StaticScheduler` ch03-04, `ContinuousScheduler` ch05) and the block size
+(ch03: one block of `max_model_len` slots per sequence, a contiguous
+region; ch04: small blocks).
 
 Left out: multiple processes (vLLM's v1 runs the engine core in its own
 process and talks to the API server over ZeroMQ), LoRA, multimodal inputs.
+The async front that servers use is common/engine/async_llm.py.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import torch
 
 from common.autoregressive import eos_token_ids
-from common.engine.block_manager import BlockManager
 from common.config import EngineConfig
-from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.block_manager import BlockManager
 from common.engine.kv_cache import KVCache, num_blocks_for_card
+from common.engine.model_runner import ModelRunner
+from common.engine.output_processor import OutputProcessor, RequestOutput
+from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
+from common.engine.sequence import Sequence
+from common.layers.sampler import SampledToken
 from common.loader import LoadedModel, load_model
 from common.memory import Card
-from common.engine.model_runner import ModelRunner
-from common.layers.sampler import SampledToken
 from common.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
-from common.engine.sequence import Sequence
 
 log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
+DEFAULT_MAX_TOKENS = 256  # when a request gives none (chapter 06 fills the context)
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    text: str  # output text so far, stop strings removed and never leaked
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[SampledToken]
-    num_cached_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
+class ContextLengthError(ValueError):
+    """The prompt plus the completion do not fit in `max_model_len`."""
 
 
-@dataclass
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    text: str = ""  # everything decoded so far
-    stop_at: int | None = None  # cut position when a stop string matched
+def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The context rule, for every chapter (01-02 have no engine)."""
+    total = num_prompt_tokens + max_tokens
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your prompt has {num_prompt_tokens} tokens, which leaves no room for a "
+            "completion. Please reduce the length of the prompt.")
+    if total > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"you requested {total} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt "
+            "or of the completion.")
+
+
+def default_max_tokens(num_prompt_tokens: int, room: int, fill: bool = False) -> int:
+    """max_tokens for a request that gives none, when `room` tokens fit in
+    all: DEFAULT_MAX_TOKENS, or (`fill`, chapter 06) all that fits. At
+    least 1, so that a prompt too long fails the context check."""
+    left = room - num_prompt_tokens
+    return max(1, left if fill else min(DEFAULT_MAX_TOKENS, left))
 
 
 @dataclass
@@ -77,16 +88,17 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, policy: str = "continuous",
+    def __init__(self, config: EngineConfig,
+                 scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05
                  loaded: LoadedModel | None = None, num_blocks: int | None = None,
-                 block_size_is_max_model_len: bool = False):
-        """`policy`: "static" (ch03-04) or "continuous" (ch05).
-        `block_size_is_max_model_len`: ch03's contiguous regions.
-        `num_blocks`: a fixed cache size (tests) instead of sizing from the card."""
+                 block_size_is_max_model_len: bool = False,
+                 log_interval_s: float = LOG_INTERVAL_S):
+        """`num_blocks`: a fixed cache size (tests) instead of sizing from the card."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
         self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = min(len(self.tokenizer), self.loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len,
                                  self.loaded.max_model_len)
         # ch03: one block of max_model_len slots per sequence = a contiguous region.
@@ -101,51 +113,62 @@ class LLMEngine:
         self.kv_cache = KVCache(self.card, self.loaded.model.config, num_blocks,
                                 self.block_size, self.loaded.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, policy, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                          config.enable_prefix_caching)  # ch04
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
+        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
+                                       config.max_num_batched_tokens, self.eos_token_ids,
+                                       self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids)
-        self.requests: dict[str, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self.stats = EngineStats()
         self._seed_counter = config.seed
+        self.log_interval_s = log_interval_s
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
 
     # ------------------------------------------------------------ requests
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse at once what could never run (instead of hanging)."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {total} tokens ({len(prompt_token_ids)} in the "
-                f"prompt, {params.max_tokens} for the completion).")
-        needed = self.block_manager.blocks_needed(total)
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.block_manager.num_blocks * self.block_size
+
+    def default_max_tokens(self, num_prompt_tokens: int, fill: bool = False) -> int:
+        """What fits in the context and in the whole cache."""
+        return default_max_tokens(num_prompt_tokens, min(self.max_model_len, self.cache_tokens),
+                                  fill)
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse at once what could never run (instead of hanging). The
+        entrypoints call it once per request, before `add_request`."""
+        if num_prompt_tokens == 0:
+            raise ValueError("The prompt is empty.")
+        check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_needed(num_prompt_tokens + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
-                f"the request needs up to {needed} KV blocks but the cache only has "
-                f"{self.block_manager.num_blocks}: it can never fit on this card")
+                f"The request needs up to {needed} KV blocks but the cache only has "
+                f"{self.block_manager.num_blocks}: it can never fit on this card.")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        if request_id in self.requests:
+        """Queue a request that `check_request` accepted."""
+        if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.check_request(prompt_token_ids, params)
         seed = params.seed
         if seed is None:  # unseeded requests still draw reproducibly per engine
             self._seed_counter += 1
             seed = self._seed_counter * 1_000_003
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        generator=torch.Generator().manual_seed(seed))
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer))
+        self.sequences[request_id] = seq
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self.scheduler.finish(request.seq, "abort")
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self.output_processor.abort(request_id)
             self._count_finished("abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -156,60 +179,30 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        now = time.monotonic()
-        for item in batch:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = now
-        outputs = []
-        for item, token in self.runner.run(batch):
-            seq = item.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            self.stats.prompt_tokens += max(0, min(seq.num_computed_tokens,
-                                                   seq.num_prompt_tokens) - start)
-            self.block_manager.cache_full_blocks(seq)
-            if token is not None:
-                self.stats.generation_tokens += 1
-                outputs.append(self._process_token(seq, token))
+        self._count_scheduled(batch)
+        sampled = self.runner.run(batch)
+        updated = self.scheduler.update_from_output(batch, sampled)
+        outputs, to_finish = self.output_processor.process(updated)
+        for finish in to_finish:  # stop strings, and failures while processing
+            self.scheduler.finish(finish.seq, finish.reason, finish.error)
+        for output in outputs:
+            if output.finished:
+                del self.sequences[output.request_id]
+                self._count_finished(output.finish_reason)
+        self.stats.generation_tokens += sum(isinstance(t, SampledToken) for t in sampled.values())
         self._update_stats()
-        self._maybe_log()
+        self._maybe_log(idle=not self.has_unfinished_requests())
         return outputs
 
-    def _process_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
-        request = self.requests[seq.request_id]
-        seq.append(token)
-        request.text += request.detokenizer.step(token.token_id)
-        reason = self._check_stop_strings(request) or seq.check_stop(
-            self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            if request.stop_at is None:
-                request.text += request.detokenizer.flush()
-            self.scheduler.finish(seq, reason)
-            self._count_finished(reason)
-            del self.requests[seq.request_id]
-        return self._output(request)
-
-    def _check_stop_strings(self, request: _Request) -> str | None:
-        for stop in request.seq.params.stop:
-            position = request.text.find(stop)
-            if position != -1:
-                request.stop_at = position if request.stop_at is None else min(
-                    request.stop_at, position)
-        return "stop" if request.stop_at is not None else None
-
-    def _output(self, request: _Request) -> RequestOutput:
-        seq = request.seq
-        text = request.text
-        if request.stop_at is not None:
-            text = text[:request.stop_at]
-        elif not seq.is_finished and seq.params.stop:
-            # Hold back what could be the start of a stop string.
-            text = text[:max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)]
-        return RequestOutput(
-            seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
-            seq.is_finished, seq.finish_reason, list(seq.output_logprobs),
-            seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
-            seq.first_token_time)
+    def _count_scheduled(self, batch: list[ScheduledSeq]) -> None:
+        now = time.monotonic()
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            # prompt tokens among those fed now (a recompute counts again)
+            self.stats.prompt_tokens += max(0, min(start + item.num_new_tokens,
+                                                   seq.num_prompt_tokens) - start)
 
     # ------------------------------------------------------------ figures
     def _count_finished(self, reason: str) -> None:
@@ -227,6 +220,11 @@ class LLMEngine:
         s.sum_reserved_slots += usage["reserved_slots"]
         s.sum_used_slots += usage["used_slots"]
 
+    def avg_kv_waste_perc(self) -> float:
+        """KV waste averaged over the steps run so far."""
+        s = self.stats
+        return 100.0 * (1 - s.sum_used_slots / s.sum_reserved_slots) if s.sum_reserved_slots else 0.0
+
     def snapshot(self) -> dict:
         """Everything a learner may want to see, as one JSON-able dict."""
         usage = self.kv_usage()
@@ -241,8 +239,7 @@ class LLMEngine:
             "peak_running": s.peak_running,
             "peak_kv_reserved_bytes": s.peak_reserved_slots * bytes_per_slot,
             "peak_kv_used_bytes": s.peak_used_slots * bytes_per_slot,
-            "avg_kv_waste_perc": (100.0 * (1 - s.sum_used_slots / s.sum_reserved_slots)
-                                  if s.sum_reserved_slots else 0.0),
+            "avg_kv_waste_perc": self.avg_kv_waste_perc(),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
@@ -251,184 +248,22 @@ class LLMEngine:
             "card": self.card.describe(),
         }
 
-    def _maybe_log(self) -> None:
-        """vLLM's periodic line: throughput, queues, KV usage, preemptions."""
+    def _maybe_log(self, idle: bool) -> None:
+        """vLLM's periodic line: throughput, queues, KV usage, preemptions.
+        Written every `log_interval_s` of work, and when the engine goes
+        idle, so every burst of requests ends with one."""
         now = time.monotonic()
         last_time, last_prompt, last_gen = self._last_log
-        if now - last_time < LOG_INTERVAL_S:
-            return
         elapsed = now - last_time
+        if elapsed < self.log_interval_s and not idle:
+            return
         usage = self.kv_usage()
         log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
                  "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                 "KV waste: %.1f%%, Preemptions: %d",
+                 "KV waste: %.1f%% (avg %.1f%%), Preemptions: %d",
                  (self.stats.prompt_tokens - last_prompt) / elapsed,
                  (self.stats.generation_tokens - last_gen) / elapsed,
                  len(self.scheduler.running), len(self.scheduler.waiting),
-                 usage["usage_perc"], usage["waste_perc"], self.scheduler.num_preemptions)
+                 usage["usage_perc"], usage["waste_perc"], self.avg_kv_waste_perc(),
+                 self.scheduler.num_preemptions)
         self._last_log = (now, self.stats.prompt_tokens, self.stats.generation_tokens)
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class AsyncLLMEngine:
-    """A background thread drives `engine.step()`; each request is an async
-    stream. Only that thread touches the engine."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wakeup = threading.Event()
-        self._lock = threading.Lock()  # held during a step; snapshot() waits for it
-        self.dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def build(cls, factory: Callable[[], LLMEngine]) -> "AsyncLLMEngine":
-        """Run `factory` (load the model, size the cache) on a short-lived
-        thread, then start the engine loop on its own thread.
-
-        Why not on the main thread: on the CPU, torch's thread pool (OpenMP)
-        belongs to the thread that first used it. Loading on the main thread
-        and stepping on the loop thread would keep two pools of busy-waiting
-        workers fighting over the cores: decode steps 15-20% slower on a
-        2-core machine (measured). The build thread's pool ends with it."""
-        built: dict = {}
-
-        def run() -> None:
-            try:
-                built["engine"] = factory()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                built["error"] = exc
-
-        thread = threading.Thread(target=run, name="engine-build")
-        thread.start()
-        thread.join()
-        if "error" in built:
-            raise built["error"]
-        return cls(built["engine"])
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.dead is None
-
-    def _send(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, request_id, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "abort":
-                self.engine.abort(request_id)
-                continue
-            try:
-                self.engine.add_request(request_id, *payload)
-            except ValueError as exc:
-                self._send(request_id, exc)
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                if not self.engine.has_unfinished_requests() and self._inbox.empty():
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                with self._lock:
-                    self._drain_inbox()
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as exc:  # noqa: BLE001 - fail them, keep serving
-                        log.exception("engine step failed; aborting the requests in flight")
-                        self._fail_all(exc)
-                        continue
-                for output in outputs:
-                    self._send(output.request_id, output)
-        except BaseException as exc:  # noqa: BLE001 - the loop is dead: tell everyone
-            self.dead = exc
-            for request_id in list(self._streams):
-                self._send(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
-
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            self._send(request_id, RuntimeError(f"internal engine error: {exc!r}"))
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> "RequestStream":
-        """Queue a request for the engine loop now; read its outputs from the
-        returned stream. Raises ValueError at once for what can never run."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
-        self.engine.check_request(prompt_token_ids, params)
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._inbox.put(("add", request_id, (prompt_token_ids, params)))
-        self._wakeup.set()
-        return stream
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput per new token; the last has finished=True.
-        Closing the iterator early (client gone) aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
-
-    def num_waiting(self) -> int:
-        """Requests not yet running: in the inbox or the scheduler's queue
-        (read without the step lock: a len() is atomic in CPython)."""
-        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
-        self._wakeup.set()
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return self.engine.snapshot()
-
-
-class RequestStream:
-    """One request's outputs, as an async iterator. `close()` before the
-    end aborts the request (its blocks are freed at the next step)."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str):
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self._end()
-            raise item
-        if item.finished:
-            self._end()
-        return item
-
-    def _end(self) -> None:
-        self.finished = True
-        self.engine._streams.pop(self.request_id, None)
-
-    def close(self) -> None:
-        if not self.finished:
-            self._end()
-            self.engine.abort(self.request_id)

@@ -16,8 +16,9 @@ import torch
 from common.layers.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.models import build_forward
-from common.layers.sampler import SampledToken, Sampler
 from common.engine.scheduler import ScheduledSeq
+from common.engine.sequence import Sequence
+from common.layers.sampler import SampledToken, Sampler, SamplingFailed
 
 
 class ModelRunner:
@@ -59,24 +60,23 @@ class ModelRunner:
         return tensor(input_ids, torch.long), tensor(positions, torch.long), meta
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
-    def run(self, batch: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampledToken | None]]:
-        """One forward pass. Pairs each scheduled sequence with its new token
-        (None for a prefill chunk that is not the last)."""
+    def run(self, batch: list[ScheduledSeq]) -> dict[Sequence, SampledToken | SamplingFailed]:
+        """One forward pass. Returns the new token of each sequence that
+        samples this step (a prefill chunk that is not the last has none)."""
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
         sampling = [i for i, item in enumerate(batch) if item.samples]
-        results: dict[int, SampledToken] = {}
-        if sampling:
-            last_rows = meta.query_start_loc[1:].long()[sampling] - 1
-            logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
-            seqs = [batch[i].seq for i in sampling]
-            sampled = self.sampler(
-                logits, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                banned=[self._banned(s) for s in seqs])
-            results = {id(batch[i].seq): token for i, token in zip(sampling, sampled)}
-        return [(item, results.get(id(item.seq))) for item in batch]
+        if not sampling:
+            return {}
+        last_rows = meta.query_start_loc[1:].long()[sampling] - 1
+        logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
+        seqs = [batch[i].seq for i in sampling]
+        sampled = self.sampler(
+            logits, [s.params for s in seqs], [s.generator for s in seqs],
+            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            banned=[self._banned(s) for s in seqs])
+        return dict(zip(seqs, sampled))
 
     def _banned(self, seq) -> list[int]:
         """EOS may not be picked before min_tokens."""

@@ -1,22 +1,32 @@
-"""The scheduler: which sequences run in the next forward pass (ch05).
+"""The scheduler: which sequences run in the next forward pass, and what
+changes once it has run (ch03-05).
 
-Two policies over the same queues (`waiting`, first come first served, and
-`running`):
+Both policies share the queues (`waiting`, first come first served, and
+`running`), the step and its update; they differ in two decisions, which
+each subclass makes:
 
-- `static` (chapters 03 and 04): a batch is admitted only when the previous
-  one has finished, and only as many sequences as the cache can hold at
-  their worst case (prompt + max_tokens). New arrivals wait for the whole
-  batch. Chapter 03 runs batches of one sequence.
-- `continuous` (chapter 05, Orca/vLLM): at *every* step, running sequences
-  go first (one decode token each, or the next chunk of their prompt), then
-  waiting sequences join while `max_num_seqs`, `max_num_batched_tokens` and
-  free blocks allow. Prefill chunks and decode tokens share one flat batch.
-  When a running sequence needs a block and none is free, the newest running
-  sequence is preempted: its blocks are freed, it goes back to the front of
-  `waiting` and its tokens (prompt + output so far) are recomputed later.
+- `StaticScheduler` (chapters 03 and 04): a batch is admitted only when the
+  previous one has finished, and only as many sequences as the cache can
+  hold at their worst case (prompt + max_tokens), so it never runs out of
+  blocks. New arrivals wait for the whole batch. Chapter 03 runs batches
+  of one sequence.
+- `ContinuousScheduler` (chapter 05, Orca/vLLM): at *every* step, running
+  sequences go first (one decode token each, or the next chunk of their
+  prompt), then waiting sequences join while `max_num_seqs`,
+  `max_num_batched_tokens` and free blocks allow. Prefill chunks and decode
+  tokens share one flat batch. When a running sequence needs a block and
+  none is free, the newest running sequence is preempted: its blocks are
+  freed, it goes back to the front of `waiting` and its tokens (prompt +
+  output so far) are recomputed later.
 
 Chunked prefill: a prompt longer than the step's token budget is fed over
 several steps; it only samples once its last chunk is in.
+
+After the model has run, `update_from_output` advances each sequence's
+`num_computed_tokens`, appends the sampled tokens, finishes the sequences
+that hit EOS, a stop token id or their length, and frees their blocks.
+(Stop *strings* need the text: the output processor finds them, and the
+engine then calls `finish`.)
 
 Left out: priorities, swapping preempted blocks to CPU memory, a
 watermark of spare blocks, fairness between clients.
@@ -28,6 +38,7 @@ from dataclasses import dataclass
 
 from common.engine.block_manager import BlockManager
 from common.engine.sequence import Sequence, SequenceStatus
+from common.layers.sampler import SampledToken, SamplingFailed
 
 
 @dataclass
@@ -42,13 +53,16 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: str = "continuous",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
-        assert policy in ("static", "continuous")
+    """The queues, the step and its update; subclasses choose the policy."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, eos_token_ids: set[int] = frozenset(),
+                 max_model_len: int = 8192):
         self.bm = block_manager
-        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -69,7 +83,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older one
-            if not self._make_room(seq):
+            if not self.make_room(seq):
                 continue  # seq itself was the newest: preempted
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, num_new))
@@ -78,32 +92,26 @@ class Scheduler:
             scheduled += self._admit(budget)
         return scheduled
 
-    def _make_room(self, seq: Sequence) -> bool:
-        """A slot for seq's next token, preempting newer sequences if needed.
-        False if seq itself had to be preempted."""
-        while not self.bm.can_append(seq):
-            if self.policy == "static":
-                raise RuntimeError("static batch ran out of blocks (admission bug)")
-            victim = self.running[-1]  # the newest
-            self.preempt(victim)
-            if victim is seq:
-                return False
-        self.bm.may_append(seq)
+    def make_room(self, seq: Sequence) -> bool:
+        """A slot for seq's next token. False if seq could not get one."""
+        raise NotImplementedError
+
+    def start_admission(self) -> bool:
+        """May waiting sequences join at this step at all?"""
         return True
 
+    def may_admit(self, seq: Sequence) -> bool:
+        """Can `seq`, the head of the queue, join the running batch now?
+        (Called with the sequence slots and the token budget already checked.)"""
+        raise NotImplementedError
+
     def _admit(self, budget: int) -> list[ScheduledSeq]:
-        if self.policy == "static" and self.running:
-            return []  # static batching: wait for the whole batch to finish
         admitted: list[ScheduledSeq] = []
-        free_at_start, worst_case_blocks = self.bm.num_free_blocks, 0
+        if not self.start_admission():
+            return admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.policy == "static":
-                need = self.bm.blocks_needed(self._worst_case_tokens(seq))
-                if worst_case_blocks + need > free_at_start:
-                    break
-                worst_case_blocks += need
-            if not self.bm.can_allocate(seq):
+            if not self.may_admit(seq):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq)  # sets num_computed_tokens to the cached prefix
@@ -113,9 +121,6 @@ class Scheduler:
             admitted.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return admitted
-
-    def _worst_case_tokens(self, seq: Sequence) -> int:
-        return seq.num_prompt_tokens + seq.params.max_tokens
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop its KV, requeue it at the front."""
@@ -127,8 +132,31 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------- after a step
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Free a finished or aborted sequence's blocks at once."""
+    def update_from_output(self, batch: list[ScheduledSeq],
+                           sampled: dict[Sequence, SampledToken | SamplingFailed]
+                           ) -> list[Sequence]:
+        """Take in what the model computed and sampled. Returns the
+        sequences that got a new token (or failed), finished ones included."""
+        updated = []
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens  # writer: after a step
+            self.bm.cache_full_blocks(seq)  # ch04: blocks that just filled
+            token = sampled.get(seq)
+            if token is None:
+                continue  # a prefill chunk that is not the last
+            if isinstance(token, SamplingFailed):
+                self.finish(seq, "error", f"sampling failed: {token.error!r}")
+            else:
+                seq.append(token)
+                reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Free a finished, failed or aborted sequence's blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
             self.bm.deallocate(seq)
@@ -136,3 +164,41 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error
+
+
+class StaticScheduler(Scheduler):
+    """ch03-04: whole batches, each reserved at its worst case."""
+
+    def start_admission(self) -> bool:
+        self._free_at_start, self._reserved = self.bm.num_free_blocks, 0
+        return not self.running  # static batching: wait for the whole batch to finish
+
+    def may_admit(self, seq: Sequence) -> bool:
+        worst_case = self.bm.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
+        if self._reserved + worst_case > self._free_at_start:
+            return False
+        self._reserved += worst_case
+        return True
+
+    def make_room(self, seq: Sequence) -> bool:
+        if not self.bm.can_append(seq):  # the worst case was reserved at admission
+            raise RuntimeError("static batch ran out of blocks (admission bug)")
+        self.bm.may_append(seq)
+        return True
+
+
+class ContinuousScheduler(Scheduler):
+    """ch05: join and leave at every step; preempt the newest when out of blocks."""
+
+    def make_room(self, seq: Sequence) -> bool:
+        while not self.bm.can_append(seq):
+            victim = self.running[-1]  # the newest
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.bm.may_append(seq)
+        return True
+
+    def may_admit(self, seq: Sequence) -> bool:
+        return self.bm.can_allocate(seq)

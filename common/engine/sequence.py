@@ -1,9 +1,17 @@
 """Sequence: one request's tokens and where its KV cache lives (ch03).
 
-A sequence's `num_computed_tokens` counts the tokens whose K and V are in
-the cache. Prefill, a prefill chunk, a decode step and a recompute after
-preemption are all the same move: feed the tokens from `num_computed_tokens`
-up to `num_tokens`, then sample one more once they are all computed.
+`num_computed_tokens` counts the tokens whose K and V are in the cache.
+Prefill, a prefill chunk, a decode step and a recompute after preemption
+are all the same move: feed the tokens from `num_computed_tokens` up to
+`num_tokens`, then sample one more once they are all computed.
+
+Who writes `num_computed_tokens`, one writer per event:
+
+- admission: `BlockManager.allocate` sets it to the prefix found in the
+  prefix cache (0 without prefix caching, ch04);
+- after a step: `Scheduler.update_from_output` adds the tokens just fed;
+- preemption or finish: `BlockManager.deallocate` sets it back to 0 (the
+  K/V are gone; a preempted sequence recomputes them, ch05).
 
 Left out: beam groups (one sequence per request; `n > 1` sends n requests).
 """
@@ -25,7 +33,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, not its contents: usable as a dict key
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -34,18 +42,22 @@ class Sequence:
     output_logprobs: list[SampledToken] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical block ids
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (see above)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # ch04: of each full block, once
+    num_registered_blocks: int = 0  # ch04: blocks already in the prefix cache
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # what went wrong, when finish_reason is "error"
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self) -> None:
+        # Prompt + output in one list, appended once per token: the runner
+        # slices it each step without rebuilding it.
+        self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +76,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append(self, sampled: SampledToken) -> None:
+        self.token_ids.append(sampled.token_id)
         self.output_token_ids.append(sampled.token_id)
         self.output_logprobs.append(sampled)
         if self.first_token_time is None:
@@ -71,7 +84,7 @@ class Sequence:
 
     def check_stop(self, eos_token_ids: set[int], max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to go on.
-        (Stop *strings* are checked on the text, by the engine.)"""
+        (Stop *strings* are checked on the text, by the output processor.)"""
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens:
             if last in self.params.stop_token_ids:

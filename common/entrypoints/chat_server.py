@@ -1,61 +1,456 @@
-"""The chat server around the engine, shared by chapters 03, 04 and 05.
+"""The chat server of chapters 01-05, and the request path chapter 06 extends.
 
-Each chapter's server.py only says which components it switches on: the
-block size (a contiguous region in ch03, small blocks in ch04) and the
-scheduling policy (static batches in ch03-04, continuous in ch05). Adds
-`GET /stats`: KV reserved vs used, waste, queues, preemptions.
+Two ways to answer `POST /v1/chat/completions`:
+
+- chapters 01-02, `build_chat_app(generate)`: a plain `def` endpoint, which
+  FastAPI runs in a worker thread per request, around the chapter's own
+  `generate` function (the loop by hand, or `model.generate`);
+- chapters 03-05, `ChatServing` on the engine (`AsyncLLMEngine`): the
+  request is validated once, here, into engine requests (one per choice:
+  `n` choices of a seeded request get seeds seed, seed+1, ...), queued,
+  and answered from the engine's text (stop strings cut off). Chapter 06's
+  `OpenAIServing` is this class plus streaming and the rest of the API.
+
+Every chapter shares the rest: OpenAI's error envelope, 400 for bad input
+naming its `param` (common/entrypoints/protocol.py), a 1 MiB body limit,
+tokenization in a worker thread (never on the event loop, where it would
+stall every other request), `/health`, and, on the engine, 503
+`engine_dead` then exit code 1 if the engine loop dies, so that a
+supervisor restarts the server (what vLLM does).
 
 Left out: streaming and the rest of the OpenAI API (chapter 06).
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
 import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Literal
 
-from common.config import config_from_args
-from common.engine.llm_engine import AsyncLLMEngine, LLMEngine
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+
+from common import __version__
+from common.config import add_engine_args, config_from_args, resolve_model_flags
+from common.engine.async_llm import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
+                                     RequestStream)
+from common.engine.llm_engine import (ContextLengthError, LLMEngine, check_context_length,
+                                      default_max_tokens)
+from common.engine.output_processor import RequestOutput
+from common.engine.scheduler import Scheduler
+from common.entrypoints.protocol import (APIError, ChatChoice, ChatCompletionRequest,
+                                         ChatCompletionResponse, ChatLogprobs, ModelCard,
+                                         ModelList, ResponseMessage, SamplingFields,
+                                         TokenLogprob, TopLogprob, Usage, internal_error,
+                                         new_app, new_id)
+from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
-from common.entrypoints.protocol import (APIError, ChatCompletionRequest, Completion, SamplingFields,
-                               build_chat_app, new_id, run_server, server_parser)
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("llm-course")
+
+DISCONNECT_POLL_S = 0.25
 
 
-def sampling_params_from_request(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
+# ------------------------------------------------------- shared checks
+def check_model_name(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist.",
+                       "not_found_error", "model", "model_not_found")
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+                  param: str) -> None:
+    """The engine's context rule, as a 400 naming the prompt's field."""
+    try:
+        check_context_length(num_prompt_tokens, max_tokens, max_model_len)
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """What a request's client sees when the engine could not serve it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running ({exc}); the server is "
+                        "shutting down.", "server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"This request failed inside the engine: {exc}",
+                        "internal_server_error")
+    return internal_error(exc)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable):
+    """Await `work`, but cancel it (aborting its engine requests) if the
+    client hangs up first: a dropped non-streaming request frees its blocks."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected: aborting %s", request.url.path)
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
+def usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+# ------------------------------------------------- chapters 01-02: a function
+@dataclass
+class Completion:
+    """What a chapter 01-02 `generate` returns for one prompt."""
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+
+
+GenerateFn = Callable[[list[int], ChatCompletionRequest, int, "int | None"], Completion]
+
+# Sampling fields of the engine (ch03+) that chapters 01-02 do not implement:
+# refused with a 400 when a request sets them, never silently ignored.
+ENGINE_ONLY_FIELDS = ("top_p", "stop", "presence_penalty", "frequency_penalty",
+                      "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                      "stop_token_ids", "logprobs")
+
+
+def refuse_unimplemented(req: ChatCompletionRequest, implemented: set[str]) -> None:
+    defaults = ChatCompletionRequest.model_fields
+    for name in ENGINE_ONLY_FIELDS:
+        if name not in implemented and getattr(req, name) != defaults[name].default:
+            raise APIError(400, f"`{name}` is not implemented by this chapter's server "
+                           "(our engine, from chapter 03 on, implements it).", param=name)
+    if req.stream:
+        raise APIError(400, "This chapter's server does not stream; chapter 06's does.",
+                       param="stream")
+
+
+def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
+                   generate: GenerateFn, implemented: set[str] = frozenset(),
+                   serialize: bool = False) -> FastAPI:
+    """FastAPI app with `/v1/models`, `/health` and `/v1/chat/completions`.
+
+    `generate(prompt_ids, request, max_tokens, seed)` is the chapter's
+    model. The endpoint is a plain `def`: FastAPI runs it in its thread
+    pool, one thread per request (chapter 02's design); `serialize=True`
+    puts a lock around `generate` (chapter 01 runs one request at a time).
+    `implemented`: the optional sampling fields `generate` honours.
+    """
+    app = new_app(title, __version__)
+    created = int(time.time())
+    lock = threading.Lock() if serialize else contextlib.nullcontext()
+
+    @app.get("/v1/models")
+    def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created,
+                                         max_model_len=max_model_len)])
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    def chat(req: ChatCompletionRequest) -> ChatCompletionResponse:
+        # A plain `def`: FastAPI runs it in a worker thread, per request.
+        check_model_name(req.model, model_name)
+        refuse_unimplemented(req, implemented)
+        prompt_ids = apply_chat_template(tokenizer, req.message_dicts())
+        max_tokens = req.requested_max_tokens() or default_max_tokens(len(prompt_ids),
+                                                                      max_model_len)
+        check_context(len(prompt_ids), max_tokens, max_model_len, "messages")
+        seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
+        with lock:
+            completions = [generate(prompt_ids, req, max_tokens, seed) for seed in seeds]
+        choices = [ChatChoice(index=i, finish_reason=c.finish_reason,
+                              message=ResponseMessage(content=tokenizer.decode(
+                                  c.token_ids, skip_special_tokens=True)))
+                   for i, c in enumerate(completions)]
+        return ChatCompletionResponse(
+            id=new_id("chatcmpl"), created=int(time.time()), model=model_name,
+            choices=choices,
+            usage=usage([prompt_ids], sum(len(c.token_ids) for c in completions)))
+
+    return app
+
+
+# ----------------------------------------------- chapters 03-06: the engine
+def sampling_params_from_request(req: SamplingFields, max_tokens: int, sample: int = 0,
                                  logprobs: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams from an OpenAI request (ch03-06)."""
+    """The engine's SamplingParams for choice `sample` of a request: sample
+    k of a seeded request gets seed + k, so the n choices differ yet replay
+    the same. The servers read deltas."""
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k if req.top_k > 0 else -1,  # 0 and -1 both mean off, as in vLLM
         min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        seed=None if req.seed is None else req.seed + seed_offset,
+        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_ids(),
+        seed=None if req.seed is None else req.seed + sample,
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
-        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs)
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+        output_kind=RequestOutputKind.DELTA)
 
 
-def main(title: str, policy: str, contiguous: bool = False, max_num_seqs: int | None = None) -> None:
-    """Parse the flags, build the engine with the chapter's switches, serve."""
-    args = server_parser(title).parse_args()
+@dataclass
+class Choice:
+    """One of a response's n choices: an engine request, and (ch06) the
+    tracker that observes its latencies."""
+    stream: RequestStream
+    tracker: object | None = None  # ch06: a metrics RequestTracker
+
+
+def close_all(choices: list[Choice]) -> None:
+    """Abort whatever has not finished (a no-op for finished choices)."""
+    for choice in choices:
+        choice.stream.close()
+
+
+async def merge_choices(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the choices' outputs (deltas) as they come: (choice index,
+    output). An engine error ends the merge as an APIError. Closing this
+    iterator aborts every unfinished choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, choice: Choice) -> None:
+        try:
+            async for output in choice.stream:
+                if choice.tracker is not None:
+                    choice.tracker.on_output(output)
+                queue.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    remaining = len(choices)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise engine_error(item)
+            remaining -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        close_all(choices)
+
+
+@dataclass
+class Answer:
+    """One choice's whole answer, collected from its deltas."""
+    text: list[str] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text.append(output.text)
+        self.logprobs += output.logprobs
+        self.num_tokens = output.num_output_tokens
+        self.finish_reason = output.finish_reason
+
+
+class ChatServing:
+    """Chat completions on the engine, whole answers (ch03). The only part
+    of chapters 03-05 that talks to the AsyncLLMEngine."""
+
+    streams = False  # ch06: OpenAIServing streams
+    fill_max_tokens = False  # ch06: a missing max_tokens fills the context
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    # -------------------------------------------------------- validation
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [i for i in ids if not 0 <= i < self.engine.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of range [0, "
+                           f"{self.engine.vocab_size}).", param=param)
+        return ids
+
+    def check_ready(self, num_new: int) -> None:
+        """Is there an engine to take `num_new` more requests?"""
+        if not self.engine.alive:
+            raise engine_error(EngineDeadError("the engine loop has died"))
+
+    def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
+                        param: str) -> SamplingParams:
+        """The engine's SamplingParams for one choice, checked against the
+        engine's rules (context length, cache size) and vocabulary."""
+        max_tokens = req.requested_max_tokens() or self.engine.default_max_tokens(
+            len(prompt_ids), fill=self.fill_max_tokens)
+        check_context(len(prompt_ids), max_tokens, self.max_model_len, param)
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(list(req.logit_bias_ids()), "logit_bias")
+        params = sampling_params_from_request(req, max_tokens, sample, req.logprobs_count())
+        try:
+            self.engine.check_request(len(prompt_ids), params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        return params
+
+    def start(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
+              param: str) -> list[Choice]:
+        """Validate everything first, then queue one engine request per
+        choice: choice k is sample k % n of prompt k // n."""
+        prepared = [(ids, self.sampling_params(req, ids, sample, param))
+                    for ids in prompts for sample in range(req.n)]
+        self.check_ready(len(prepared))
+        return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params),
+                       self.new_tracker())
+                for k, (ids, params) in enumerate(prepared)]
+
+    def new_tracker(self):
+        return None  # ch06: latency metrics
+
+    # ------------------------------------------------------------ inputs
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template (in a worker thread)."""
+        return apply_chat_template(self.tokenizer, req.message_dicts())
+
+    # ------------------------------------------------------------ outputs
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, tokens: list[SampledToken]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return ChatLogprobs(content=[
+            TokenLogprob(**entry(t.token_id, t.logprob),
+                         top_logprobs=[TopLogprob(**entry(i, lp)) for i, lp in t.top_logprobs])
+            for t in tokens])
+
+    @staticmethod
+    async def answers(request: Request, choices: list[Choice]) -> list[Answer]:
+        """Each choice's whole answer, for a non-streaming response."""
+        async def collect() -> list[Answer]:
+            answers = [Answer() for _ in choices]
+            async for index, output in merge_choices(choices):
+                answers[index].add(output)
+            return answers
+
+        try:
+            return await cancel_on_disconnect(request, collect())
+        finally:
+            close_all(choices)
+
+    # -------------------------------------------------------------- chat
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        check_model_name(req.model, self.model_name)
+        if req.stream and not self.streams:
+            raise APIError(400, "This chapter's server does not stream; chapter 06's does.",
+                           param="stream")
+        prompt = await run_in_threadpool(self.chat_prompt, req)
+        request_id = new_id("chatcmpl")
+        choices = self.start(request_id, [prompt], req, "messages")
+        if req.stream:
+            return self.stream_chat(request_id, prompt, req, choices)
+        answers = await self.answers(request, choices)
+        return ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=self.model_name,
+            choices=[ChatChoice(index=i, message=ResponseMessage(content="".join(a.text)),
+                                finish_reason=a.finish_reason,
+                                logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None)
+                     for i, a in enumerate(answers)],
+            usage=usage([prompt], sum(a.num_tokens for a in answers)))
+
+    def stream_chat(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
+                    choices: list[Choice]):
+        raise NotImplementedError  # ch06
+
+
+def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
+    """The routes of chapters 03-06: models, health, chat, stats."""
+    created = int(time.time())
+    engine = serving.engine
+
+    @app.get("/v1/models")
+    def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=serving.model_name, created=created,
+                                         max_model_len=serving.max_model_len)])
+
+    @app.get("/health")
+    def health() -> dict:
+        if not engine.alive:
+            raise engine_error(EngineDeadError(f"the engine loop has died: {engine.dead!r}"))
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return await serving.chat(req, request)
+
+    app.get("/stats")(engine.snapshot)  # a plain def: waits for the step lock in a thread
+
+
+# ------------------------------------------------------- command line
+def server_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_engine_args(parser)
+    return parser
+
+
+def parse_server_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    args = parser.parse_args()
+    resolve_model_flags(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return args
+
+
+def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None,
+                log_level: str = "info") -> uvicorn.Server:
+    """uvicorn, told to shut down once the engine loop dies: the requests
+    in flight get their 503 first (a graceful shutdown waits for them)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    if engine is not None:
+        def exit_when_dead() -> None:
+            engine.died.wait()
+            log.error("the engine loop died: answering the requests in flight, then exiting")
+            server.should_exit = True
+
+        threading.Thread(target=exit_when_dead, name="engine-watch", daemon=True).start()
+    return server
+
+
+def exit_code(engine: AsyncLLMEngine | None) -> int:
+    """1 when the engine died (a supervisor should restart the server)."""
+    return 1 if engine is not None and not engine.alive else 0
+
+
+def serve(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None) -> int:
+    make_server(app, host, port, engine).run()
+    return exit_code(engine)
+
+
+def main(title: str, scheduler_cls: type[Scheduler], contiguous: bool = False,
+         max_num_seqs: int | None = None) -> int:
+    """Chapters 03-05: parse the flags, build the engine with the chapter's
+    components, serve chat completions."""
+    args = parse_server_args(server_parser(title))
     config = config_from_args(args)
     if max_num_seqs is not None:
         config.max_num_seqs = max_num_seqs
-    async_engine = AsyncLLMEngine.build(lambda: LLMEngine(
-        config, policy=policy, block_size_is_max_model_len=contiguous))
-    engine = async_engine.engine
-    tokenizer = engine.tokenizer
-
-    async def generate(prompt_ids: list[int], req: ChatCompletionRequest,
-                       max_tokens: int) -> Completion:
-        params = sampling_params_from_request(req, max_tokens)
-        try:
-            async for output in async_engine.generate(new_id("req"), prompt_ids, params):
-                last = output
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        return Completion(last.token_ids, last.finish_reason)
-
-    app = build_chat_app(title, config.model_name, engine.max_model_len, tokenizer, generate,
-                         lambda messages: apply_chat_template(tokenizer, messages))
-    app.get("/stats")(async_engine.snapshot)
-    run_server(app, args.host, args.port)
+    engine = AsyncLLMEngine.build(lambda: LLMEngine(
+        config, scheduler_cls=scheduler_cls, block_size_is_max_model_len=contiguous))
+    app = new_app(title, __version__)
+    add_engine_routes(app, ChatServing(engine, config.model_name))
+    return serve(app, args.host, args.port, engine)

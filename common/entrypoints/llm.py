@@ -6,22 +6,25 @@
     outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
 
-All prompts are handed to the engine at once; continuous batching runs them
-together, and a tqdm bar counts finished requests. Prompts may be strings,
-token id lists, or (with `LLM.chat`) chat message lists.
+All prompts are checked (`LLMEngine.check_request`: this is an
+entrypoint, the engine trusts what it is given), then handed to the engine
+at once; continuous batching runs them together, and a tqdm bar counts
+finished requests. Each request asks only for its final output. Prompts
+may be strings, token id lists, or (with `LLM.chat`) chat message lists.
 
 Left out: LoRA requests, pooling/embedding models, beam search.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine, RequestOutput
+from common.engine.llm_engine import LLMEngine
+from common.engine.output_processor import RequestOutput
 from common.loader import LoadedModel, apply_chat_template
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -65,11 +68,16 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = []
+        requests = []
         for prompt, p in zip(prompts, params_list):
+            token_ids = self._to_ids(prompt)
+            self.engine.check_request(len(token_ids), p)  # all refused before any runs
+            requests.append((token_ids, replace(p, output_kind=RequestOutputKind.FINAL_ONLY)))
+        ids = []
+        for token_ids, p in requests:
             self._counter += 1
             request_id = str(self._counter)
-            self.engine.add_request(request_id, self._to_ids(prompt), p)
+            self.engine.add_request(request_id, token_ids, p)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:

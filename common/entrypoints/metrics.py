@@ -38,9 +38,11 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class EngineCollector:
     """Turns one `engine.snapshot()` into gauges and counters at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+    def __init__(self, snapshot: Callable[[], dict], model_name: str,
+                 alive: Callable[[], bool]):
         self.snapshot = snapshot
         self.model_name = model_name
+        self.alive = alive
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -53,6 +55,8 @@ class EngineCollector:
         return family
 
     def collect(self):
+        yield self._gauge("llm_course:engine_alive", "1 while the engine loop runs; 0 once "
+                          "it has died (the server then exits).", float(self.alive()))
         s = self.snapshot()
         yield self._gauge("vllm:num_requests_running", "Requests in the running batch.",
                           s["running"])
@@ -66,10 +70,10 @@ class EngineCollector:
                             s["generation_tokens"])
         yield self._counter("vllm:num_preemptions", "Sequences preempted (recomputed).",
                             s["num_preemptions"])
-        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in "
-                            "the prefix cache.", s["prefix_cache_queries"])
-        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the "
-                            "prefix cache.", s["prefix_cache_hits"])
+        yield self._counter("vllm:prefix_cache_queries", "Full prompt blocks looked "
+                            "up in the prefix cache.", s["prefix_cache_queries"])
+        yield self._counter("vllm:prefix_cache_hits", "Full prompt blocks found in "
+                            "the prefix cache.", s["prefix_cache_hits"])
         success = CounterMetricFamily("vllm:request_success", "Finished requests by "
                                       "finish reason.", labels=["model_name", "finished_reason"])
         for reason, count in sorted(s["finished"].items()):
@@ -80,9 +84,10 @@ class EngineCollector:
 class Metrics:
     """One registry per server: the engine's figures and the latency histograms."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+    def __init__(self, snapshot: Callable[[], dict], model_name: str,
+                 alive: Callable[[], bool] = lambda: True):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(snapshot, model_name))
+        self.registry.register(EngineCollector(snapshot, model_name, alive))
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:

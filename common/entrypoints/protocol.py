@@ -1,54 +1,85 @@
-"""The OpenAI wire format and the FastAPI pieces every chapter shares (ch01).
+"""The OpenAI wire format, and the error envelope every chapter shares (ch01).
 
-- pydantic models for `/v1/chat/completions` and `/v1/models`, shaped so
-  that the official `openai` client parses them with strict validation;
+- pydantic models for `/v1/chat/completions` (ch01) and `/v1/completions`,
+  streaming chunks and logprobs (ch06), shaped so that the official `openai`
+  client parses them with strict validation;
+- validation as strict as OpenAI's: `"max_tokens": "8"` or `true` is a 400,
+  not 8 or 1; a seed must fit in 64 bits; text must be valid Unicode (a lone
+  UTF-16 surrogate such as "\\ud800" is refused here, before a tokenizer
+  fails on it); `stream_options` needs `"stream": true`; a stop string may
+  not be empty; OpenAI fields this server does not implement (tools,
+  `echo`, `suffix`, `best_of`, audio...) are refused by name, never
+  silently ignored. Unknown fields are ignored, as OpenAI and vLLM do;
 - errors in OpenAI's envelope `{"error": {"message", "type", "param",
-  "code"}}`, including FastAPI's validation errors (422 -> 400);
-- `build_chat_app`: the chat endpoint around a chapter's `generate`;
-- ch06: the text-completion request, streaming chunks and logprobs shapes
-  (`common/entrypoints/api_server.py` serves them).
+  "code"}}` with the right status: FastAPI's 422 becomes a 400 naming the
+  `param`, an unexpected exception a 500 that keeps the connection open,
+  a body over 1 MiB a 413 (`new_app` installs all of it, and fixes the
+  OpenAPI schema to say so).
 
-Left out: tools/function calling, response_format, audio and images,
-`best_of`, `echo`, `suffix`, `logit_bias` (accepted and ignored, like any
-unknown field).
+What needs the model (token ids inside the vocabulary, the context length)
+is checked by the serving code, which knows the tokenizer.
+
+Left out: tools/function calling, structured output, audio and images,
+the Responses API.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import inspect
 import logging
-import threading
-import time
 import uuid
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Literal, Union
+from typing import Annotated, Literal, Union
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("llm-course")
 
-DEFAULT_MAX_TOKENS = 256  # chapters 01-05; chapter 06 fills max_model_len
-DISCONNECT_POLL_S = 0.25
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # a seed is a 64-bit integer (torch.Generator)
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8192-token prompt is ~40 KB of JSON
+
+
+def unsupported(message: str) -> PydanticCustomError:
+    """A 400 for a field OpenAI has and this server does not implement."""
+    return PydanticCustomError("unsupported", message)
+
+
+# ----------------------------------------------------------------- text
+def valid_unicode(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"): not text, and no
+    tokenizer can encode it. Refuse it here, with the field's name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode", "contains {char} at position {position}: a lone UTF-16 "
+            "surrogate is not valid Unicode text",
+            {"char": repr(text[exc.start]), "position": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
 
 
 # ---------------------------------------------------------------- requests
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StrictModel(BaseModel):
+    """Strict types as OpenAI's (no "8" for 8, no true for 1); unknown
+    fields ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(StrictModel):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[TextPart]] = ""
+    content: Union[Text, list[TextPart]] = ""
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -60,37 +91,75 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.text()}
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by chat and text completions. Unknown fields are ignored."""
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
+class SamplingFields(StrictModel):
+    """Fields shared by chat and text completions."""
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    stop: Union[Text, list[Text], None] = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Text | None = None
     # vLLM's extras
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise unsupported("stream_options is only allowed when stream is true.")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value):
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise unsupported("A stop string may not be empty.")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        for key in value or {}:
+            if not key.isdigit():
+                raise unsupported(f"logit_bias keys are token ids, got {key!r}.")
+        return value
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+# OpenAI chat fields that this server refuses rather than ignores, and why.
+REFUSED_CHAT_FIELDS = {
+    "tools": "Tool calling is not supported by this server.",
+    "functions": "Tool calling is not supported by this server.",
+    "tool_choice": "tool_choice needs tools, and tool calling is not supported.",
+    "function_call": "function_call needs functions, and tool calling is not supported.",
+    "audio": "Audio output is not supported.",
+    "prediction": "Predicted outputs are not supported.",
+    "web_search_options": "Web search is not supported.",
+    "reasoning_effort": "reasoning_effort is for reasoning models; this one is not.",
+}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -98,8 +167,46 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict] | None = None  # ch06: refused with a clear 400, not ignored
     response_format: dict | None = None
+    # OpenAI fields this server refuses rather than ignores:
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    functions: list | None = None
+    function_call: Union[str, dict, None] = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator(*REFUSED_CHAT_FIELDS)
+    @classmethod
+    def _refused(cls, value, info: ValidationInfo):
+        if value not in (None, [], {}, "none"):  # "none": no tool call, as without tools
+            raise unsupported(REFUSED_CHAT_FIELDS[info.field_name])
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value and value.get("type", "text") != "text":
+            raise unsupported('Only response_format {"type": "text"} is supported '
+                              "(no JSON mode, no structured output).")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, value):
+        if value is not None and value != ["text"]:
+            raise unsupported('Only modalities ["text"] is supported.')
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
+            raise unsupported("top_logprobs requires logprobs to be true.")
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -107,14 +214,49 @@ class ChatCompletionRequest(SamplingFields):
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
 
+    def logprobs_count(self) -> int | None:
+        """Top logprobs per token, or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # ch06: `prompt` is a string, several strings, token ids, or several lists of ids.
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[Text, list[Text], list[Annotated[int, Field(ge=0)]],
+                    list[list[Annotated[int, Field(ge=0)]]]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool = False
+    suffix: Text | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n", 1):
+            raise unsupported("best_of is not supported (only best_of = n).")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        if value:
+            raise unsupported("echo is not supported.")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise unsupported("suffix (insertion) is not supported.")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 # --------------------------------------------------------------- responses
@@ -218,174 +360,180 @@ def new_id(prefix: str) -> str:
 
 
 # ------------------------------------------------------------------ errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope (also documented in the OpenAPI schema)."""
+    error: ErrorInfo
+
+
 class APIError(Exception):
     """An error that goes back to the client in OpenAI's envelope."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
-        self.param, self.code = param, code
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_response(status: int, message: str, type: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(500, f"{type(exc).__name__}: {exc}", "internal_server_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    if first.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request. " \
-               f"({first.get('msg')})", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    return f"Invalid value for '{param}': {first.get('msg')}", param
+def _param(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages.0.content': the
+    field path, without pydantic's union-member and validator tags."""
+    parts = [str(p) for p in loc if p != "body"]
+    fields = [p for p in parts if p.isidentifier() and p not in TYPE_TAGS or p.isdigit()]
+    return ".".join(fields) or None
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 -> our 400: the most telling error, and its field."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        return APIError(400, "We could not parse the JSON body of your request. "
+                        f"({errors[0].get('msg')})")
+    # A value refused on its merits says more than "not a list" from the
+    # other members of a Union.
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    param = _param(first.get("loc", ()))
+    if first["type"] == "unsupported":
+        return APIError(400, first["msg"], param=param)
+    return APIError(400, f"Invalid value for '{param}': {first['msg']}", param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in OpenAI's envelope; the server stays up."""
+    """APIError, validation errors and HTTP errors leave in the envelope."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("error while serving %s", request.url.path)
-        return error_response(500, f"{type(exc).__name__}: {exc}", "internal_server_error")
+        return APIError(exc.status_code, str(exc.detail), kind).response()
 
 
-# ------------------------------------------------------- the chat endpoint
-@dataclass
-class Completion:
-    """What a chapter's generate function returns for one prompt."""
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
+# --------------------------------------------------------- ASGI middleware
+class CatchServerErrors:
+    """An unexpected exception becomes a 500 in the envelope, and the
+    connection stays open for the client's next request.
+
+    (FastAPI's `exception_handler(Exception)` answers too, but Starlette
+    re-raises the exception afterwards, and uvicorn then drops the
+    keep-alive connection.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - answered here, logged with its traceback
+            log.exception("error while serving %s", scope.get("path"))
+            if started:  # too late for a status code: the client sees a cut response
+                return
+            await internal_error(exc).response()(scope, receive, send)
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable):
-    """Await `work`, but cancel it (aborting its engine requests) if the
-    client hangs up first: a dropped non-streaming request frees its blocks."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client disconnected: aborting %s", request.url.path)
-                raise APIError(499, "client disconnected")
-    finally:
-        task.cancel()
+class BodySizeLimit:
+    """413 for a body over `max_bytes`, counted as it arrives (a client may
+    send no Content-Length). An oversized body is drained, not kept, so the
+    client reads our answer instead of a reset connection."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # client gone before the body ended
+                return
+            size += len(message.get("body", b""))
+            if size <= self.max_bytes:
+                body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        if size > self.max_bytes:
+            error = APIError(413, f"Request body too large: {size} bytes; the limit is "
+                             f"{self.max_bytes} bytes.", code="request_too_large")
+            return await error.response()(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later calls: wait for the disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
-GenerateFn = Callable[[list[int], ChatCompletionRequest, int],
-                      Union[Completion, Awaitable[Completion]]]
+# -------------------------------------------------------------------- app
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description}
+                   for status, description in [
+                       (400, "Invalid request (OpenAI's error envelope)"),
+                       (413, "Request body too large"),
+                       (500, "Internal error (the server keeps serving)")]}
 
 
-def check_model_name(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist.",
-                       "not_found_error", "model", "model_not_found")
+def _openapi_schema(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body; this server answers 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
-def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int,
-                         param: str = "messages") -> None:
-    if prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} "
-                       f"tokens. However, you requested {prompt_len + max_tokens} tokens "
-                       f"({prompt_len} in the {param}, {max_tokens} in the completion). "
-                       f"Please reduce the length of the {param} or completion.",
-                       param=param, code="context_length_exceeded")
-
-
-def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
-                   generate: GenerateFn, apply_template: Callable[[list[dict]], list[int]],
-                   serialize: bool = False) -> FastAPI:
-    """FastAPI app with `/v1/models` and `/v1/chat/completions`.
-
-    `generate(prompt_ids, request, max_tokens)` is the chapter's engine. A
-    plain function runs in FastAPI's thread pool, one thread per request
-    (chapter 02's design); `serialize=True` puts a lock around it (chapter
-    01 runs one request at a time). An `async def` runs on the event loop.
-    """
-    app = FastAPI(title=title)
+def new_app(title: str, version: str = "0", disable_docs: bool = False,
+            max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """A FastAPI app whose every error leaves in OpenAI's envelope.
+    `disable_docs`: no /docs, /redoc, /openapi.json (vLLM's
+    --disable-fastapi-docs)."""
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if disable_docs else {}
+    app = FastAPI(title=title, version=version, responses=ERROR_RESPONSES, **docs)
     install_error_handlers(app)
-    created = int(time.time())
-    lock = threading.Lock()
-
-    @app.get("/v1/models")
-    def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created,
-                                         max_model_len=max_model_len)])
-
-    @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok"}
-
-    def prepare(req: ChatCompletionRequest) -> tuple[list[int], int]:
-        check_model_name(req.model, model_name)
-        prompt_ids = apply_template(req.message_dicts())
-        max_tokens = req.requested_max_tokens() or min(
-            DEFAULT_MAX_TOKENS, max_model_len - len(prompt_ids))
-        check_context_length(len(prompt_ids), max_tokens, max_model_len)
-        return prompt_ids, max_tokens
-
-    def respond(prompt_ids: list[int], completions: list[Completion]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, finish_reason=c.finish_reason,
-                              message=ResponseMessage(content=tokenizer.decode(
-                                  c.token_ids, skip_special_tokens=True)))
-                   for i, c in enumerate(completions)]
-        generated = sum(len(c.token_ids) for c in completions)
-        return ChatCompletionResponse(
-            id=new_id("chatcmpl"), created=int(time.time()), model=model_name,
-            choices=choices, usage=Usage(prompt_tokens=len(prompt_ids),
-                                         completion_tokens=generated,
-                                         total_tokens=len(prompt_ids) + generated))
-
-    if inspect.iscoroutinefunction(generate):
-        @app.post("/v1/chat/completions")
-        async def chat_async(req: ChatCompletionRequest, request: Request
-                             ) -> ChatCompletionResponse:
-            prompt_ids, max_tokens = prepare(req)
-            completions = await cancel_on_disconnect(request, asyncio.gather(
-                *[generate(prompt_ids, req, max_tokens) for _ in range(req.n)]))
-            return respond(prompt_ids, list(completions))
-    else:
-        @app.post("/v1/chat/completions")
-        def chat_threaded(req: ChatCompletionRequest) -> ChatCompletionResponse:
-            # A plain `def`: FastAPI runs it in a worker thread per request.
-            prompt_ids, max_tokens = prepare(req)
-            with lock if serialize else contextlib.nullcontext():
-                completions = [generate(prompt_ids, req, max_tokens) for _ in range(req.n)]
-            return respond(prompt_ids, completions)
-
+    app.add_middleware(CatchServerErrors)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.openapi = lambda: _openapi_schema(app)
     return app
-
-
-# ------------------------------------------------------- command line
-def server_parser(description: str) -> argparse.ArgumentParser:
-    from common.config import add_engine_args
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    add_engine_args(parser)
-    return parser
-
-
-def run_server(app: FastAPI, host: str, port: int) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    uvicorn.run(app, host=host, port=port, log_level="info")

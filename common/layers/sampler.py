@@ -1,11 +1,16 @@
 """The sampler: logits -> next token ids (ch03).
 
 Per request: greedy (temperature 0), temperature, top-k, top-p, min-p,
-presence/frequency/repetition penalties, a seed (a seeded request draws from
+presence/frequency/repetition penalties, logit bias, a seed (a seeded request draws from
 its own `torch.Generator`, so it gives the same text whatever else runs in
 the batch), and the logprobs of the chosen and top tokens.
 
-Left out: beam search, best_of, logit bias, guided decoding.
+One row's failure is that row's alone: the sampler returns a
+`SamplingFailed` for it, the engine finishes that request with an error,
+and the other rows of the batch get their tokens.
+
+Left out: beam search, best_of, guided decoding; penalties are recounted
+from the token lists at every step (vLLM keeps count tensors on the GPU).
 """
 from __future__ import annotations
 
@@ -21,6 +26,12 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob)
+
+
+@dataclass
+class SamplingFailed:
+    """What one row got instead of a token when sampling it raised."""
+    error: Exception
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams,
@@ -73,16 +84,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  prompt_ids: list[list[int]], output_ids: list[list[int]],
-                 banned: list[list[int]] | None = None) -> list[SampledToken]:
+                 banned: list[list[int]] | None = None) -> list[SampledToken | SamplingFailed]:
         """logits: (num_seqs, vocab). `banned[i]`: token ids that row i may not
         pick now (EOS before `min_tokens`)."""
         logits = logits.float().cpu()
         banned = banned or [[] for _ in params]
-        results: list[SampledToken | None] = [None] * len(params)
-        # Plain greedy rows (no penalty, ban or logprobs) need only an argmax:
-        # one call for all of them instead of one per row.
-        plain = [i for i, p in enumerate(params)
-                 if p.greedy and not p.needs_penalties and p.logprobs is None and not banned[i]]
+        results: list[SampledToken | SamplingFailed | None] = [None] * len(params)
+        # Plain greedy rows (no penalty, bias, ban or logprobs) need only an
+        # argmax: one call for all of them instead of one per row.
+        plain = [i for i, p in enumerate(params) if p.plain_greedy and not banned[i]]
         if plain:
             rows = logits if len(plain) == len(params) else logits[plain]
             tokens = rows.argmax(dim=-1).tolist()  # (num_plain,)
@@ -90,8 +100,11 @@ class Sampler:
                 results[i] = SampledToken(token)
         for i, p in enumerate(params):
             if results[i] is None:
-                results[i] = self._sample_row(logits[i], p, generators[i], prompt_ids[i],
-                                              output_ids[i], banned[i])
+                try:
+                    results[i] = self._sample_row(logits[i], p, generators[i], prompt_ids[i],
+                                                  output_ids[i], banned[i])
+                except Exception as exc:  # noqa: BLE001 - this row's error, not the batch's
+                    results[i] = SamplingFailed(exc)
         return results
 
     @staticmethod
@@ -101,8 +114,12 @@ class Sampler:
         """row: (vocab,) logits of one sequence -> its token (and logprobs)."""
         if p.needs_penalties:
             row = apply_penalties(row, p, prompt_ids, output_ids)
-        if banned:
+        if p.logit_bias or banned:
             row = row.clone()
+        if p.logit_bias:  # OpenAI's logit_bias: added to the penalized logits
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        if banned:
             row[banned] = float("-inf")
         logprobs = torch.log_softmax(row, dim=-1) if p.logprobs is not None else None
         if p.greedy:

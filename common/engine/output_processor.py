@@ -1,0 +1,155 @@
+"""Output processing: new tokens -> text -> what each request receives (ch03, ch05).
+
+After each step the engine hands the sequences that got a token to
+`OutputProcessor.process`, which for each of them
+
+1. detokenizes the new token incrementally (common/engine/detokenizer.py,
+   ch05: a token may hold half a UTF-8 character);
+2. looks for the request's stop strings in the new text only (plus the
+   few characters held back before it), so the work per token does not
+   grow with the answer; text that could be the start of a stop string is
+   held back, never sent, and a stop string is cut off the answer;
+3. builds the request's `RequestOutput`: with `RequestOutputKind.DELTA`
+   (the servers) the new tokens and text of this step, with `FINAL_ONLY`
+   (the offline `LLM`) everything, once, when the request finishes.
+
+It also returns the sequences to finish now (a stop string matched); an
+exception while processing one sequence finishes that request with an
+error, and the other requests of the step are not touched.
+
+Left out: vLLM's cumulative output kind, `include_stop_str_in_output`,
+per-request `skip_special_tokens`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.sequence import Sequence
+from common.layers.sampler import SampledToken
+from common.sampling_params import RequestOutputKind
+
+log = logging.getLogger("llm-course")
+
+
+@dataclass
+class RequestOutput:
+    """What one request receives. DELTA: this step's tokens and text;
+    FINAL_ONLY: the whole answer."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str  # stop strings removed and never sent
+    logprobs: list[SampledToken]
+    num_output_tokens: int  # all of them so far (for `usage`)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    error: str | None
+    num_cached_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+
+
+@dataclass
+class RequestState:
+    """The output side of one running request."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    released: list[str] = field(default_factory=list)  # text pieces sent (or to send)
+    held: str = ""  # decoded, not released: could be the start of a stop string
+    hold_chars: int = 0  # longest stop string - 1
+
+    def __post_init__(self) -> None:
+        self.hold_chars = max((len(s) for s in self.seq.params.stop), default=1) - 1
+
+
+@dataclass
+class Finish:
+    """A sequence the engine must finish now (the scheduler frees its blocks)."""
+    seq: Sequence
+    reason: str
+    error: str | None = None
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i != -1]
+    return min(found) if found else None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.states[seq.request_id] = RequestState(seq, IncrementalDetokenizer(self.tokenizer))
+
+    def abort(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, seqs: list[Sequence]) -> tuple[list[RequestOutput], list[Finish]]:
+        """Outputs for the sequences that got a token (or failed) this step,
+        and the sequences to finish now: a stop string matched, or
+        processing failed."""
+        outputs, to_finish = [], []
+        for seq in seqs:
+            state = self.states[seq.request_id]
+            reason, error, new_text = seq.finish_reason, seq.error, ""
+            if error is None:  # a row that failed to sample has no new token
+                try:
+                    new_text, stop_matched = self._new_text(state, reason is not None)
+                    if stop_matched:
+                        reason = "stop"
+                        to_finish.append(Finish(seq, reason))
+                except Exception as exc:  # noqa: BLE001 - this request's error only
+                    log.exception("output processing failed for %s", seq.request_id)
+                    reason, error = "error", f"output processing failed: {exc!r}"
+                    to_finish.append(Finish(seq, reason, error))
+            output = self._output(state, new_text, reason, error)
+            if output is not None:
+                outputs.append(output)
+            if reason is not None:
+                del self.states[seq.request_id]
+        return outputs, to_finish
+
+    def _new_text(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
+        """Text to release for the newest token, and whether a stop string
+        matched. Only `held + new` is searched: a stop string that ends in
+        the new text starts at most `hold_chars` characters before it."""
+        seq = state.seq
+        text = state.held + state.detokenizer.step(seq.output_token_ids[-1])
+        if finishing:
+            text += state.detokenizer.flush()
+        position = find_stop(text, seq.params.stop) if seq.params.stop else None
+        if position is not None:
+            state.held = ""
+            return self._release(state, text[:position]), True
+        keep = 0 if finishing else min(state.hold_chars, len(text))
+        state.held = text[len(text) - keep:]
+        return self._release(state, text[:len(text) - keep]), False
+
+    @staticmethod
+    def _release(state: RequestState, text: str) -> str:
+        if text:
+            state.released.append(text)
+        return text
+
+    @staticmethod
+    def _output(state: RequestState, new_text: str, reason: str | None,
+                error: str | None) -> RequestOutput | None:
+        seq, done = state.seq, reason is not None
+        if seq.params.output_kind is RequestOutputKind.DELTA:
+            token_ids, text, logprobs = seq.output_token_ids[-1:], new_text, seq.output_logprobs[-1:]
+        elif done:  # FINAL_ONLY: the whole answer, once
+            token_ids, text = list(seq.output_token_ids), "".join(state.released)
+            logprobs = list(seq.output_logprobs)
+        else:
+            return None
+        return RequestOutput(
+            seq.request_id, seq.prompt_token_ids, token_ids, text, logprobs,
+            seq.num_output_tokens, done, reason, error,
+            seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
+            seq.first_token_time)

@@ -1,4 +1,4 @@
-"""Engine arguments, named like vLLM's command-line flags.
+"""Engine arguments, named like vLLM's command-line flags (ch01, grown by each chapter).
 
 Every chapter's server parses the same flags (`add_engine_args`), then keeps
 the ones its components use. Chapter 03 switches on the KV cache, chapter 04

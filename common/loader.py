@@ -65,9 +65,6 @@ class LoadedModel:
         cfg = self.model.config
         return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
 
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
 
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":

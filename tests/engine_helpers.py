@@ -35,3 +35,16 @@ def run_all(engine, prompts: dict[str, list[int]] | None = None,
 
 def greedy(max_tokens=32, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def fail_rows_seeded(engine, seed: int = 666) -> None:
+    """Fault injection: sampling any row whose request has this seed raises."""
+    sampler = engine.runner.sampler
+    original = sampler._sample_row
+
+    def faulty(row, params, *args):
+        if params.seed == seed:
+            raise IndexError("simulated fault in one row")
+        return original(row, params, *args)
+
+    sampler._sample_row = faulty

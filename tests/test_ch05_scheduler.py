@@ -14,7 +14,7 @@ from bench.loadtest import run_load
 from common.sampling_params import SamplingParams
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
 from tests.conftest import PROMPTS, hf_greedy, wait_for
-from tests.engine_helpers import greedy, make_engine, run_all
+from tests.engine_helpers import fail_rows_seeded, greedy, make_engine, run_all
 
 pytestmark = pytest.mark.ch05
 
@@ -218,15 +218,7 @@ def test_one_failing_sequence_does_not_fail_the_batch(tiny_llama):
     params = greedy(12, ignore_eos=True)
     reference = run_all(make_engine(tiny_llama, block_size=4), ids, params)
     engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
-    sampler = engine.runner.sampler
-    original = sampler._sample_row
-
-    def faulty(row, p, *args):
-        if p.seed == 666:
-            raise IndexError("simulated fault in one row")
-        return original(row, p, *args)
-
-    sampler._sample_row = faulty
+    fail_rows_seeded(engine, seed=666)
     for request_id, prompt in ids.items():
         engine.add_request(request_id, prompt, params)
     engine.add_request("bad-row", ids["0"], greedy(12, ignore_eos=True, seed=666,

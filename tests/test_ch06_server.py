@@ -15,7 +15,6 @@ import time
 import openai
 import pytest
 import requests
-import uvicorn
 
 from common.entrypoints.api_server import build_app
 from common.entrypoints.chat_server import exit_code, make_server
@@ -24,7 +23,7 @@ from common.engine.async_llm import AsyncLLMEngine
 from common.loader import apply_chat_template
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
 from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client, wait_for
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import fail_rows_seeded, make_engine
 
 pytestmark = pytest.mark.ch06
 
@@ -500,15 +499,7 @@ def test_an_unexpected_500_keeps_the_keep_alive_connection(local):
 def test_one_sequence_failing_fails_only_its_own_request(local):
     """A fault while sampling one row (here: the request seeded 666) finishes
     that request with a 500; the requests in the same batches succeed."""
-    sampler = local.engine.engine.runner.sampler
-    original = sampler._sample_row
-
-    def faulty(row, p, *args):
-        if p.seed == 666:
-            raise IndexError("simulated fault in one row")
-        return original(row, p, *args)
-
-    sampler._sample_row = faulty
+    fail_rows_seeded(local.engine.engine, seed=666)
     with local.engine._lock:  # all of them in the same steps
         good, threads = in_threads(6, lambda: local_chat(local, max_tokens=8, temperature=0.7,
                                                          seed=1))

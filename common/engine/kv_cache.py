@@ -52,10 +52,6 @@ class KVCache:
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_token(config, dtype) * block_size
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
 
 def num_blocks_for_card(card: Card, hf_model, block_size: int,
                         max_num_batched_tokens: int) -> tuple[int, str]:

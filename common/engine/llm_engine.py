@@ -1,4 +1,4 @@
-"""LLMEngine: add_request / step / abort (ch03-05).
+"""LLMEngine (ch03-05): add_request / step / abort.
 
 `LLMEngine.step()` is one iteration, as in nano-vllm:
 
@@ -89,7 +89,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig,
-                 scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05
+                 scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05: the default
                  loaded: LoadedModel | None = None, num_blocks: int | None = None,
                  block_size_is_max_model_len: bool = False,
                  log_interval_s: float = LOG_INTERVAL_S):
@@ -113,7 +113,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.card, self.loaded.model.config, num_blocks,
                                 self.block_size, self.loaded.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size,
-                                          config.enable_prefix_caching)  # ch04
+                                          config.enable_prefix_caching)  # ch04: blocks
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
                                        config.max_num_batched_tokens, self.eos_token_ids,

@@ -1,4 +1,4 @@
-"""ModelRunner: scheduled sequences -> tensors -> model -> sampled tokens (ch03-05).
+"""ModelRunner (ch03-05): scheduled sequences -> tensors -> model -> sampled tokens.
 
 For each step it builds the flat batch: `input_ids` and `positions` of every
 new token, `slot_mapping` (where each token's K/V go), `block_tables` and
@@ -63,7 +63,8 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> dict[Sequence, SampledToken | SamplingFailed]:
         """One forward pass. Returns the new token of each sequence that
         samples this step (a prefill chunk that is not the last has none)."""
-        batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)  # decodes first
+        # ch05: prefill chunks and decodes share the batch; decodes go first
+        batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
         sampling = [i for i, item in enumerate(batch) if item.samples]

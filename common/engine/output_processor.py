@@ -1,4 +1,4 @@
-"""Output processing: new tokens -> text -> what each request receives (ch03, ch05).
+"""Output processing (ch03, ch05): new tokens -> text -> what each request receives.
 
 After each step the engine hands the sequences that got a token to
 `OutputProcessor.process`, which for each of them
@@ -85,7 +85,8 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.states[seq.request_id] = RequestState(seq, IncrementalDetokenizer(self.tokenizer))
+        detokenizer = IncrementalDetokenizer(self.tokenizer)  # ch05: whole characters only
+        self.states[seq.request_id] = RequestState(seq, detokenizer)
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

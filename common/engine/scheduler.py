@@ -1,5 +1,5 @@
-"""The scheduler: which sequences run in the next forward pass, and what
-changes once it has run (ch03-05).
+"""The scheduler (ch03-05): which sequences run in the next forward pass,
+and what changes once it has run.
 
 Both policies share the queues (`waiting`, first come first served, and
 `running`), the step and its update; they differ in two decisions, which
@@ -85,10 +85,10 @@ class Scheduler:
                 continue  # preempted a moment ago to make room for an older one
             if not self.make_room(seq):
                 continue  # seq itself was the newest: preempted
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        if self.num_preemptions == preemptions_before:  # no admission under pressure
+        if self.num_preemptions == preemptions_before:  # ch05: no admission under pressure
             scheduled += self._admit(budget)
         return scheduled
 
@@ -117,12 +117,12 @@ class Scheduler:
             self.bm.allocate(seq)  # sets num_computed_tokens to the cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks
             admitted.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return admitted
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:  # ch05: preemption by recompute
         """Recompute-style preemption: drop its KV, requeue it at the front."""
         self.running.remove(seq)
         self.bm.deallocate(seq)
@@ -167,7 +167,7 @@ class Scheduler:
         seq.error = error
 
 
-class StaticScheduler(Scheduler):
+class StaticScheduler(Scheduler):  # ch03-04: static batching
     """ch03-04: whole batches, each reserved at its worst case."""
 
     def start_admission(self) -> bool:
@@ -188,12 +188,12 @@ class StaticScheduler(Scheduler):
         return True
 
 
-class ContinuousScheduler(Scheduler):
+class ContinuousScheduler(Scheduler):  # ch05: iteration-level scheduling
     """ch05: join and leave at every step; preempt the newest when out of blocks."""
 
     def make_room(self, seq: Sequence) -> bool:
         while not self.bm.can_append(seq):
-            victim = self.running[-1]  # the newest
+            victim = self.running[-1]  # ch05: preempt the newest
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -201,4 +201,4 @@ class ContinuousScheduler(Scheduler):
         return True
 
     def may_admit(self, seq: Sequence) -> bool:
-        return self.bm.can_allocate(seq)
+        return self.bm.can_allocate(seq)  # ch05: whenever blocks allow

@@ -71,10 +71,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def append(self, sampled: SampledToken) -> None:
         self.token_ids.append(sampled.token_id)
         self.output_token_ids.append(sampled.token_id)

@@ -144,7 +144,6 @@ class OpenAIServing(ChatServing):
 
     def check_ready(self, num_new: int) -> None:
         """Backpressure: refuse what would wait beyond --max-waiting."""
-        super().check_ready(num_new)
         if num_new > self.engine.max_num_seqs + self.max_waiting:
             raise APIError(400, f"This request asks for {num_new} sequences; at most "
                            f"{self.engine.max_num_seqs + self.max_waiting} can ever be "

@@ -1,4 +1,4 @@
-"""The chat server of chapters 01-05, and the request path chapter 06 extends.
+"""The chat server of chapters 01-05 (ch01), and the request path chapter 06 extends.
 
 Two ways to answer `POST /v1/chat/completions`:
 
@@ -284,22 +284,21 @@ class ChatServing:
         return ids
 
     def check_ready(self, num_new: int) -> None:
-        """Is there an engine to take `num_new` more requests?"""
-        if not self.engine.alive:
-            raise engine_error(EngineDeadError("the engine loop has died"))
+        """Room for `num_new` more requests? (ch06: --max-waiting)"""
 
     def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
                         param: str) -> SamplingParams:
-        """The engine's SamplingParams for one choice, checked against the
-        engine's rules (context length, cache size) and vocabulary."""
+        """The engine's SamplingParams for one choice, checked once against
+        the vocabulary and the engine's rules (context length, cache size)."""
         max_tokens = req.requested_max_tokens() or self.engine.default_max_tokens(
             len(prompt_ids), fill=self.fill_max_tokens)
-        check_context(len(prompt_ids), max_tokens, self.max_model_len, param)
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(req.logit_bias_ids()), "logit_bias")
         params = sampling_params_from_request(req, max_tokens, sample, req.logprobs_count())
         try:
             self.engine.check_request(len(prompt_ids), params)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
         return params
@@ -311,9 +310,12 @@ class ChatServing:
         prepared = [(ids, self.sampling_params(req, ids, sample, param))
                     for ids in prompts for sample in range(req.n)]
         self.check_ready(len(prepared))
-        return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params),
-                       self.new_tracker())
-                for k, (ids, params) in enumerate(prepared)]
+        try:
+            return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params),
+                           self.new_tracker())
+                    for k, (ids, params) in enumerate(prepared)]
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
 
     def new_tracker(self):
         return None  # ch06: latency metrics
@@ -373,7 +375,7 @@ class ChatServing:
 
     def stream_chat(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
                     choices: list[Choice]):
-        raise NotImplementedError  # ch06
+        raise NotImplementedError  # ch06: OpenAIServing.stream_chat
 
 
 def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:

@@ -15,4 +15,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.entrypoints.api_server import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,7 +37,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers) $(if $(CHAPTERS),--chapters $(CHAPTERS)) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: help setup test demo-oom loadtest serve slides clean bench bench-sweep bench-gpu
+.PHONY: help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -54,6 +54,12 @@ $(STAMP): requirements.txt
 
 test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
+
+exercise: $(STAMP) ## CH=04: grade your exercise of a chapter; REFERENCE=1 grades the reference
+	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
+
+exercises-check: $(STAMP) ## every untouched stub fails its grading tests (CI)
+	$(PY) -m tests.check_exercises
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM
 	-$(PY) -m bench.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype $(DTYPE)

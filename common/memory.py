@@ -49,6 +49,12 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * element
 
 
+def static_cache_bytes(config, dtype: torch.dtype, max_model_len: int) -> int:
+    """What chapter 02 reserves for every request, whatever its length: a
+    static cache of `max_model_len` tokens (the worst case)."""
+    return kv_bytes_per_token(config, dtype) * max_model_len
+
+
 def activation_bytes_estimate(config, num_tokens: int, dtype: torch.dtype) -> int:
     """A generous estimate of one forward pass's live activations.
 

@@ -92,3 +92,64 @@ def wait_for(condition, what: str, timeout: float = 120.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+# ------------------------------------------------------------- exercises
+def pytest_addoption(parser):
+    parser.addoption("--exercise", metavar="CH", default=None,
+                     help="grade the learner's component of chapter CH (01..06, from "
+                          "CH-*/exercises/) instead of the reference (make exercise CH=04)")
+
+
+@pytest.fixture(scope="session")
+def impl(request):
+    """The components under test: the reference, or (`--exercise CH`) the
+    learner's for that chapter (tests/components.py)."""
+    from tests.components import components_for
+    return components_for(request.config.getoption("--exercise"))
+
+
+def pytest_configure(config):
+    chapter = config.getoption("--exercise")
+    if chapter is not None:
+        from tests.components import EXERCISES, exercise_path
+        if chapter not in EXERCISES:
+            raise pytest.UsageError(f"--exercise {chapter}: no such exercise "
+                                    f"(there are {', '.join(EXERCISES)})")
+        if not exercise_path(chapter).exists():
+            raise pytest.UsageError(f"{exercise_path(chapter)} is missing")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In exercise mode, say what to do next under each failed test."""
+    outcome = yield
+    report = outcome.get_result()
+    chapter = item.config.getoption("--exercise")
+    if chapter is None or not report.failed or call.excinfo is None:
+        return
+    from tests.components import EXERCISES, exercise_path
+    ex = EXERCISES[chapter]
+    where = exercise_path(chapter).relative_to(ROOT)
+    what = (item.obj.__doc__ or item.name.replace("_", " ")).strip().splitlines()[0]
+    if call.excinfo.errisinstance(NotImplementedError):
+        frame = call.excinfo.traceback[-1]
+        advice = (f"`{frame.name}` in {where} is still a stub (NotImplementedError). "
+                  f"Write it, then run `make exercise CH={chapter}` again.")
+    else:
+        advice = (f"Your code in {where} ran, but this test expects otherwise: read the "
+                  f"assertion above. Stuck? The reference is {ex.reference}.")
+    report.sections.append((f"exercise {chapter}", f"{item.name}: {what}\n{advice}"))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    chapter = config.getoption("--exercise")
+    if chapter is None:
+        return
+    passed = len(terminalreporter.stats.get("passed", []))
+    failed = len(terminalreporter.stats.get("failed", [])) + len(
+        terminalreporter.stats.get("error", []))
+    verdict = ("all of them pass: well done" if failed == 0 and passed
+               else "keep going: the first failure above says what to write next")
+    terminalreporter.write_line(
+        f"exercise {chapter}: {passed} of {passed + failed} grading tests pass, {verdict}.")

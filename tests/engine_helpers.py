@@ -3,18 +3,21 @@ from __future__ import annotations
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.scheduler import ContinuousScheduler, StaticScheduler
+from common.engine.scheduler import StaticScheduler
 from common.sampling_params import SamplingParams
+from tests.components import Components
 
 
-SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler}
-
-
-def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, **config):
-    """policy: "static" (ch03-04) or "continuous" (ch05)."""
+def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, impl=None,
+                **config):
+    """policy: "static" (ch03-04) or "continuous" (ch05). `impl`: the
+    components to build it with (tests/components.py; default: reference)."""
+    impl = impl or Components()
     config.setdefault("device_memory_gb", 2.0)
-    return LLMEngine(EngineConfig(**config), scheduler_cls=SCHEDULERS[policy], loaded=loaded,
-                     num_blocks=num_blocks, block_size_is_max_model_len=contiguous)
+    scheduler_cls = StaticScheduler if policy == "static" else impl.ContinuousScheduler
+    return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
+                     num_blocks=num_blocks, block_size_is_max_model_len=contiguous,
+                     block_manager_cls=impl.BlockManager, attention_ops=impl.attention_ops)
 
 
 def run_all(engine, prompts: dict[str, list[int]] | None = None,

@@ -3,7 +3,7 @@ import pytest
 import requests
 import torch
 
-from common.autoregressive import eos_token_ids, generate_without_cache
+from common.autoregressive import eos_token_ids
 from common.loader import ModelLoadError, apply_chat_template, load_model
 from tests.conftest import PROMPTS, hf_greedy, openai_client
 
@@ -35,13 +35,45 @@ def test_bad_model_name_gives_a_clear_error():
     assert "--load-format dummy" in message
 
 
+@pytest.mark.ex01
 @pytest.mark.parametrize("messages", PROMPTS)
-def test_greedy_loop_by_hand_equals_hf_generate(embedded, messages):
+def test_greedy_loop_by_hand_equals_hf_generate(embedded, messages, impl):
+    """Greedy, the loop by hand gives exactly HF model.generate's tokens."""
     ids = apply_chat_template(embedded.tokenizer, messages)
     eos = eos_token_ids(embedded.model, embedded.tokenizer)
-    ours, reason = generate_without_cache(embedded.model, ids, 40, 0.0, eos)
+    ours, reason = impl.generate_without_cache(embedded.model, ids, 40, 0.0, eos)
     assert ours == hf_greedy(embedded.model, ids, 40)
     assert reason == ("stop" if ours[-1] in eos else "length")
+
+
+@pytest.mark.ex01
+def test_the_loop_stops_at_max_new_tokens_or_eos(tiny_llama, impl):
+    """max_new_tokens new tokens and "length", or up to the first EOS and "stop"."""
+    model, prompt = tiny_llama.model, [1, 2, 3, 4]
+    ids, reason = impl.generate_without_cache(model, prompt, 6, 0.0, set())
+    assert len(ids) == 6 and reason == "length"
+    first = ids[0]  # make the first greedy token an end-of-sequence token
+    ids, reason = impl.generate_without_cache(model, prompt, 6, 0.0, {first})
+    assert ids == [first] and reason == "stop"
+
+
+@pytest.mark.ex01
+def test_sample_next_token_greedy_seeded_and_temperature(impl):
+    """Temperature 0 is the argmax; a seeded generator replays the same
+    draws; a token with no probability is never drawn; a high temperature
+    flattens the distribution."""
+    logits = torch.tensor([1.0, 3.0, 2.0, float("-inf")])
+    assert impl.sample_next_token(logits, 0.0) == 1
+
+    def draws(temperature: float, seed: int, n: int = 400) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [impl.sample_next_token(logits, temperature, generator) for _ in range(n)]
+
+    assert draws(1.0, 7) == draws(1.0, 7)
+    assert 3 not in draws(1.0, 7) and 3 not in draws(5.0, 7)
+    cold, hot = draws(0.2, 1), draws(5.0, 1)
+    assert cold.count(1) > 390  # nearly greedy
+    assert 100 < hot.count(1) < 250 and hot.count(0) > 60  # nearly uniform over 3
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from bench.loadtest import format_table, send_one, summarize
-from common.memory import MiB, Card, kv_bytes_per_token
+from transformers import GPT2Config, LlamaConfig
+
+from common.memory import MiB, Card
 from tests.conftest import PROMPTS, openai_client, wait_for
 from tests.test_ch01_foundation import assert_bad_input_rejected
 
@@ -31,15 +33,37 @@ def test_card_raises_cuda_shaped_oom_and_returns_freed_memory():
     assert card.allocated_bytes() == 0
 
 
-def test_kv_bytes_per_token_of_the_embedded_model(embedded):
-    # 2 (K,V) x 30 layers x 3 KV heads x 64 dims x 4 bytes
-    assert kv_bytes_per_token(embedded.model.config, torch.float32) == 46080
+@pytest.mark.ex02
+def test_kv_bytes_per_token_of_the_embedded_model(embedded, impl):
+    """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes (float32)."""
+    assert impl.kv_bytes_per_token(embedded.model.config, torch.float32) == 46080
+    assert impl.kv_bytes_per_token(embedded.model.config, torch.bfloat16) == 23040
 
 
-def test_demo_card_holds_one_request_but_not_two(embedded):
+@pytest.mark.ex02
+def test_kv_cache_shape_reads_every_config_naming(impl):
+    """(layers, KV heads, head dim) from Llama names (with fewer KV heads:
+    GQA), GPT-2 names, and a config that states its head_dim."""
+    llama = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3)
+    gpt2 = GPT2Config(n_embd=768, n_layer=12, n_head=12)
+    explicit = LlamaConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+                           num_key_value_heads=8, head_dim=128)
+    assert impl.kv_cache_shape(llama) == (30, 3, 64)
+    assert impl.kv_cache_shape(gpt2) == (12, 12, 64)
+    assert impl.kv_cache_shape(explicit) == (2, 8, 128)
+    # GPT-2 in float32: 2 x 12 x 12 x 64 x 4 = 72 KiB per token
+    assert impl.kv_bytes_per_token(gpt2, torch.float32) == 73728
+
+
+@pytest.mark.ex02
+def test_demo_card_holds_one_request_but_not_two(embedded, impl):
+    """Chapter 02 reserves a static cache of max_model_len tokens per
+    request: on the 1.1 GiB card, with the weights, one fits and two don't."""
     card = Card(torch.device("cpu"), float(DEMO_CARD))
     card.charge_weights(embedded.model)
-    one_request = kv_bytes_per_token(embedded.model.config, torch.float32) * 8192
+    one_request = impl.static_cache_bytes(embedded.model.config, torch.float32, 8192)
+    assert one_request == 46080 * 8192  # 360 MiB, whatever the prompt's length
     assert card.free_bytes() > one_request
     assert card.free_bytes() < 2 * one_request
 

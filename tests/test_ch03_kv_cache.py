@@ -30,7 +30,7 @@ CONFIGS = {
 }
 
 
-def our_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+def our_logits(hf_model, token_ids: list[int], attention_ops=None) -> torch.Tensor:
     """One sequence's prefill through our forward and a paged cache."""
     num_tokens, block_size = len(token_ids), 16
     num_blocks = -(-num_tokens // block_size)
@@ -41,14 +41,58 @@ def our_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         context_lens=torch.tensor([num_tokens]),
         block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
         num_decodes=1 if num_tokens == 1 else 0, block_size=block_size)
-    forward = build_forward(hf_model)
+    forward = build_forward(hf_model, attention_ops)
     hidden = forward.forward(torch.tensor(token_ids), torch.arange(num_tokens),
                              cache.kv_caches, meta)
     return forward.compute_logits(hidden)  # (num_tokens, vocab)
 
 
+@pytest.mark.ex03
+def test_store_then_attend_equals_plain_attention(impl):
+    """Contiguous regions (one block of max_len slots per sequence): store
+    the prompt's K/V, attend causally over it, then store and attend one
+    decode token. Against attention written out with softmax, GQA included."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, max_len, lens = 4, 2, 8, 32, [5, 9]
+    k_cache = torch.zeros(len(lens), max_len, num_kv_heads, head_dim)  # a region each
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.arange(len(lens), dtype=torch.int32)[:, None]  # (num_seqs, 1)
+    scale = head_dim ** -0.5
+    q, k, v = ([torch.randn(n, h, head_dim) for n in lens] for h in
+               (num_heads, num_kv_heads, num_kv_heads))
+
+    def plain(q_i, k_i, v_i, first_pos):  # (Tq, H, D), (Tk, H_kv, D)
+        k_i = k_i.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v_i = v_i.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
+        q_pos = torch.arange(first_pos, first_pos + q_i.shape[0])[:, None]
+        scores = scores.masked_fill(torch.arange(k_i.shape[0])[None, :] > q_pos, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_i)
+
+    slots = torch.cat([torch.arange(n) + i * max_len for i, n in enumerate(lens)])
+    impl.attention_ops.store_kvcache(torch.cat(k), torch.cat(v), k_cache, v_cache, slots)
+    starts = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    out = impl.attention_ops.paged_prefill_attention(
+        torch.cat(q), k_cache, v_cache, tables, starts, torch.tensor(lens, dtype=torch.int32),
+        scale)
+    expected = torch.cat([plain(q[i], k[i], v[i], 0) for i in range(len(lens))])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # One decode token per sequence, at position len.
+    q1, k1, v1 = torch.randn(2, num_heads, head_dim), torch.randn(2, num_kv_heads, head_dim), \
+        torch.randn(2, num_kv_heads, head_dim)
+    impl.attention_ops.store_kvcache(k1, v1, k_cache, v_cache,
+                                     torch.tensor([n + i * max_len for i, n in enumerate(lens)]))
+    out = impl.attention_ops.paged_decode_attention(
+        q1, k_cache, v_cache, tables, torch.tensor([n + 1 for n in lens], dtype=torch.int32),
+        scale)
+    expected = torch.cat([plain(q1[i:i + 1], torch.cat([k[i], k1[i:i + 1]]),
+                                torch.cat([v[i], v1[i:i + 1]]), lens[i]) for i in range(2)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.ex03
 @pytest.mark.parametrize("family", CONFIGS)
-def test_forward_matches_hf_on_tiny_random_models(family):
+def test_forward_matches_hf_on_tiny_random_models(family, impl):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family], dtype=torch.float32).eval()
     if family == "qwen2-bias":
@@ -56,21 +100,25 @@ def test_forward_matches_hf_on_tiny_random_models(family):
     ids = torch.randint(0, 1000, (37,)).tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(our_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(our_logits(model, ids, impl.attention_ops), expected,
+                               atol=1e-4, rtol=1e-4)
 
 
-def test_forward_matches_hf_on_the_embedded_model(embedded):
+@pytest.mark.ex03
+def test_forward_matches_hf_on_the_embedded_model(embedded, impl):
     ids = apply_chat_template(embedded.tokenizer, PROMPTS[1])
     with torch.no_grad():
         expected = embedded.model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(our_logits(embedded.model, ids), expected, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(our_logits(embedded.model, ids, impl.attention_ops), expected,
+                               atol=1e-3, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def ch03_engine(embedded):
-    return make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1)
+def ch03_engine(embedded, impl):
+    return make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1, impl=impl)
 
 
+@pytest.mark.ex03
 def test_ch03_greedy_tokens_equal_hf_generate(embedded, ch03_engine):
     prompts = {str(i): apply_chat_template(embedded.tokenizer, m) for i, m in enumerate(PROMPTS)}
     done = run_all(ch03_engine, prompts, greedy(40))
@@ -79,6 +127,7 @@ def test_ch03_greedy_tokens_equal_hf_generate(embedded, ch03_engine):
     assert ch03_engine.block_manager.num_free_blocks == ch03_engine.block_manager.num_blocks
 
 
+@pytest.mark.ex03
 def test_decode_with_cache_equals_recompute_without_cache(embedded, ch03_engine):
     ids = apply_chat_template(embedded.tokenizer, PROMPTS[2])
     done = run_all(ch03_engine, {"x": ids}, greedy(32, ignore_eos=True))
@@ -86,9 +135,10 @@ def test_decode_with_cache_equals_recompute_without_cache(embedded, ch03_engine)
     assert done["x"].token_ids == by_hand and len(by_hand) == 32
 
 
-def test_region_reserved_released_on_finish_and_abort_and_requests_queue(embedded):
+@pytest.mark.ex04
+def test_region_reserved_released_on_finish_and_abort_and_requests_queue(embedded, impl):
     engine = make_engine(embedded, policy="static", contiguous=True, num_blocks=1,
-                         max_model_len=512, max_num_seqs=4)
+                         max_model_len=512, max_num_seqs=4, impl=impl)
     bm = engine.block_manager
     assert engine.block_size == 512
     ids = apply_chat_template(embedded.tokenizer, PROMPTS[0])

@@ -1,8 +1,6 @@
 """Chapter 04: blocks, block tables, prefix caching, static batching."""
 import pytest
 
-from common.engine import block_manager as bm_module
-from common.engine.block_manager import BlockManager
 from common.loader import apply_chat_template
 from bench.loadtest import SYSTEM_PROMPT, run_load
 from common.sampling_params import SamplingParams
@@ -17,8 +15,9 @@ def seq(tokens, request_id="r") -> Sequence:
     return Sequence(request_id, list(tokens), SamplingParams())
 
 
-def test_exact_multiple_of_block_size_gets_a_new_block_only_when_needed():
-    bm = BlockManager(num_blocks=4, block_size=4)
+@pytest.mark.ex04
+def test_exact_multiple_of_block_size_gets_a_new_block_only_when_needed(impl):
+    bm = impl.BlockManager(num_blocks=4, block_size=4)
     s = seq(range(8))
     assert bm.can_allocate(s)
     bm.allocate(s)
@@ -33,8 +32,9 @@ def test_exact_multiple_of_block_size_gets_a_new_block_only_when_needed():
     assert len(s.block_table) == 3 and bm.num_free_blocks == 1
 
 
-def test_running_out_of_blocks_and_deallocate_returns_every_block():
-    bm = BlockManager(num_blocks=3, block_size=4)
+@pytest.mark.ex04
+def test_running_out_of_blocks_and_deallocate_returns_every_block(impl):
+    bm = impl.BlockManager(num_blocks=3, block_size=4)
     a, b = seq(range(8), "a"), seq(range(100, 105), "b")
     bm.allocate(a)
     assert not bm.can_allocate(b)  # needs 2, 1 free
@@ -49,13 +49,14 @@ def test_running_out_of_blocks_and_deallocate_returns_every_block():
     assert all(block.ref_count == 0 for block in bm.blocks)
 
 
-def computed(s: Sequence, bm: BlockManager) -> None:
+def computed(s: Sequence, bm) -> None:
     s.num_computed_tokens = s.num_tokens
     bm.cache_full_blocks(s)
 
 
-def test_shared_prefix_ref_counts_and_partial_hit():
-    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+@pytest.mark.ex04
+def test_shared_prefix_ref_counts_and_partial_hit(impl):
+    bm = impl.BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = seq(list(range(10)), "first")  # blocks [0-3] [4-7] [8,9]
     bm.allocate(first)
     computed(first, bm)
@@ -75,8 +76,9 @@ def test_shared_prefix_ref_counts_and_partial_hit():
     assert third.num_cached_tokens == 8 and bm.prefix_hits == 4
 
 
-def test_full_prefix_hit_recomputes_the_last_block():
-    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+@pytest.mark.ex04
+def test_full_prefix_hit_recomputes_the_last_block(impl):
+    bm = impl.BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = seq(range(8), "first")
     bm.allocate(first)
     computed(first, bm)
@@ -90,9 +92,10 @@ def test_full_prefix_hit_recomputes_the_last_block():
     assert again.num_computed_tokens == 4
 
 
-def test_hash_collision_is_caught_by_the_token_check(monkeypatch):
-    monkeypatch.setattr(bm_module, "compute_block_hash", lambda prev, tokens: 42)
-    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+@pytest.mark.ex04
+def test_hash_collision_is_caught_by_the_token_check(monkeypatch, impl):
+    monkeypatch.setattr(impl.block_manager_module, "compute_block_hash", lambda prev, tokens: 42)
+    bm = impl.BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = seq(range(9), "first")
     bm.allocate(first)
     computed(first, bm)
@@ -107,10 +110,14 @@ def prompts(embedded):
     return {str(i): apply_chat_template(embedded.tokenizer, m) for i, m in enumerate(PROMPTS)}
 
 
-def test_paged_equals_contiguous_and_hf(embedded, prompts):
-    paged = run_all(make_engine(embedded, policy="static", block_size=16), prompts, greedy(32))
+@pytest.mark.ex03
+@pytest.mark.ex04
+def test_paged_equals_contiguous_and_hf(embedded, prompts, impl):
+    """Blocks of 16 and one region of 1024 give HF's greedy tokens."""
+    paged = run_all(make_engine(embedded, policy="static", block_size=16, impl=impl),
+                    prompts, greedy(32))
     contiguous = run_all(make_engine(embedded, policy="static", contiguous=True,
-                                     max_model_len=1024), prompts, greedy(32))
+                                     max_model_len=1024, impl=impl), prompts, greedy(32))
     for request_id, ids in prompts.items():
         assert paged[request_id].token_ids == contiguous[request_id].token_ids
         assert paged[request_id].token_ids == hf_greedy(embedded.model, ids, 32)
@@ -126,12 +133,14 @@ def test_alone_equals_inside_a_batch_of_different_lengths(embedded, prompts):
     assert engine.stats.peak_running == 4
 
 
-def test_prefix_caching_same_tokens_and_fewer_prefill_tokens(embedded):
+@pytest.mark.ex04
+def test_prefix_caching_same_tokens_and_fewer_prefill_tokens(embedded, impl):
     system = {"role": "system", "content": SYSTEM_PROMPT + " " + "Be kind. " * 12}
     ids = [apply_chat_template(embedded.tokenizer, [system, {"role": "user", "content": q}])
            for q in ("Why is the sky blue?", "What is a compiler?")]
-    plain = run_all(make_engine(embedded, block_size=16), {"a": ids[0], "b": ids[1]}, greedy(16))
-    engine = make_engine(embedded, block_size=16, enable_prefix_caching=True)
+    plain = run_all(make_engine(embedded, block_size=16, impl=impl),
+                    {"a": ids[0], "b": ids[1]}, greedy(16))
+    engine = make_engine(embedded, block_size=16, enable_prefix_caching=True, impl=impl)
     first = run_all(engine, {"a": ids[0]}, greedy(16))
     prefilled_first = engine.stats.prompt_tokens
     second = run_all(engine, {"b": ids[1]}, greedy(16))
@@ -175,14 +184,16 @@ def test_ch04_load_test_on_the_demo_card(ch04_server):
     assert stats["prefix_cache_hits"] > 0  # the second load reuses the first's system prompt
 
 
-def test_each_full_block_is_hashed_once(tiny_llama, monkeypatch):
+@pytest.mark.ex04
+def test_each_full_block_is_hashed_once(tiny_llama, monkeypatch, impl):
     """O(1) work per token: a block's hash is computed when it fills, not
     again at every step."""
     hashed = []
-    real = bm_module.compute_block_hash
-    monkeypatch.setattr(bm_module, "compute_block_hash",
+    real = impl.block_manager_module.compute_block_hash
+    monkeypatch.setattr(impl.block_manager_module, "compute_block_hash",
                         lambda prev, tokens: hashed.append(tokens) or real(prev, tokens))
-    engine = make_engine(tiny_llama, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=64, enable_prefix_caching=True,
+                         impl=impl)
     run_all(engine, {"x": list(range(1, 11))}, greedy(30, ignore_eos=True))
     # 10 + 30 tokens, the last never fed: 39 computed = 9 full blocks, each hashed once.
     assert len(hashed) == 9

@@ -24,8 +24,11 @@ def prompts(embedded):
     return [apply_chat_template(embedded.tokenizer, m) for m in PROMPTS]
 
 
-def test_mixed_arrivals_through_the_scheduler_equal_hf(embedded, prompts):
-    engine = make_engine(embedded, max_num_batched_tokens=48)  # forces prefill chunks
+@pytest.mark.ex05
+def test_mixed_arrivals_through_the_scheduler_equal_hf(embedded, prompts, impl):
+    """Requests arriving at steps 0, 3 and 7, prefilled in chunks beside
+    the others' decodes, give HF's greedy tokens."""
+    engine = make_engine(embedded, max_num_batched_tokens=48, impl=impl)  # prefill chunks
     arrivals = {0: [0], 3: [1], 7: [2]}  # step -> prompts arriving
     done, step = {}, 0
     while step in arrivals or engine.has_unfinished_requests():
@@ -39,12 +42,16 @@ def test_mixed_arrivals_through_the_scheduler_equal_hf(embedded, prompts):
         assert done[str(i)].token_ids == hf_greedy(embedded.model, ids, 32)
 
 
-def test_preemption_under_pressure_loses_nothing(tiny_llama):
+@pytest.mark.ex04
+@pytest.mark.ex05
+def test_preemption_under_pressure_loses_nothing(tiny_llama, impl):
+    """16 requests on a cache too small for them: preempted, recomputed,
+    and every answer is what it is on a roomy cache."""
     ids = [[1 + (7 * i + j) % 500 for j in range(5 + i)] for i in range(16)]
     params = greedy(24, ignore_eos=True)
     roomy = run_all(make_engine(tiny_llama, block_size=4),
                     {str(i): p for i, p in enumerate(ids)}, params)
-    tight = make_engine(tiny_llama, block_size=4, num_blocks=24, max_num_seqs=16)
+    tight = make_engine(tiny_llama, block_size=4, num_blocks=24, max_num_seqs=16, impl=impl)
     pressured = run_all(tight, {str(i): p for i, p in enumerate(ids)}, params)
     assert tight.scheduler.num_preemptions > 0
     assert len(pressured) == 16
@@ -53,18 +60,21 @@ def test_preemption_under_pressure_loses_nothing(tiny_llama):
     assert tight.block_manager.num_free_blocks == 24
 
 
-def test_chunked_prefill_equals_single_prefill(embedded):
+@pytest.mark.ex05
+def test_chunked_prefill_equals_single_prefill(embedded, impl):
     long_prompt = apply_chat_template(embedded.tokenizer, [
         {"role": "user", "content": "Summarize: " + "The cat sat on the mat. " * 30}])
     single = run_all(make_engine(embedded, max_num_batched_tokens=1024),
                      {"x": long_prompt}, greedy(16))["x"].token_ids
-    chunked_engine = make_engine(embedded, max_num_batched_tokens=64)
+    chunked_engine = make_engine(embedded, max_num_batched_tokens=64, impl=impl)
     chunked = run_all(chunked_engine, {"x": long_prompt}, greedy(16))["x"].token_ids
     assert len(long_prompt) > 3 * 64 and chunked == single
 
 
-def test_abort_in_the_middle_frees_blocks_and_others_finish(tiny_llama):
-    engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
+@pytest.mark.ex04
+@pytest.mark.ex05
+def test_abort_in_the_middle_frees_blocks_and_others_finish(tiny_llama, impl):
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=64, impl=impl)
     engine.add_request("a", list(range(1, 30)), greedy(40, ignore_eos=True))
     engine.add_request("b", list(range(5, 12)), greedy(10, ignore_eos=True))
     for _ in range(3):
@@ -85,11 +95,12 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def small_engine(tiny_llama):
+def small_engine(tiny_llama, impl):
     return make_engine(tiny_llama, block_size=4, num_blocks=20, max_num_seqs=3,
-                       max_num_batched_tokens=16)
+                       max_num_batched_tokens=16, impl=impl)
 
 
+@pytest.mark.ex05
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 30), st.integers(1, 12)),
                 min_size=1, max_size=8))
@@ -158,8 +169,9 @@ def test_ch05_survives_the_load_that_crashed_chapter_02(ch05_server):
     # is checked with fixed arrivals in test_requests_arriving_together_run_together.
 
 
-def test_requests_arriving_together_run_together(embedded, prompts):
-    engine = make_engine(embedded, max_num_batched_tokens=4096, num_blocks=256)
+@pytest.mark.ex05
+def test_requests_arriving_together_run_together(embedded, prompts, impl):
+    engine = make_engine(embedded, max_num_batched_tokens=4096, num_blocks=256, impl=impl)
     for i in range(32):
         engine.add_request(str(i), prompts[i % 3], greedy(4, ignore_eos=True))
     engine.step()

@@ -11,6 +11,7 @@ import http.client
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -635,5 +636,83 @@ def test_disable_fastapi_docs(embedded):
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert requests.get(local.url + path).status_code == 404
         assert local_chat(local).status_code == 200
+    finally:
+        local.stop()
+
+
+# ------------------------------------------------------------ the metrics
+SNAPSHOT = {"running": 3, "waiting": 2, "kv_cache_usage_perc": 25.0, "prompt_tokens": 120,
+            "generation_tokens": 64, "num_preemptions": 1, "prefix_cache_queries": 10,
+            "prefix_cache_hits": 4, "finished": {"stop": 5, "length": 2}}
+
+
+def scrape(metrics) -> dict[str, float]:
+    """The text exposition, as {'name{labels}': value}."""
+    text = metrics.render()[0].decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.ex06
+def test_the_engine_collector_reads_the_snapshot_at_scrape_time(impl):
+    """Gauges and counters with vLLM's names, read from the engine's
+    snapshot when Prometheus scrapes (KV usage as a fraction, not a %)."""
+    snapshot = dict(SNAPSHOT)
+    metrics = Metrics(lambda: snapshot, "m", lambda: True, impl.EngineCollector,
+                      impl.RequestTracker)
+    values = scrape(metrics)
+    label = '{model_name="m"}'
+    assert values["vllm:num_requests_running" + label] == 3
+    assert values["vllm:num_requests_waiting" + label] == 2
+    assert values["vllm:kv_cache_usage_perc" + label] == 0.25
+    assert values["vllm:prompt_tokens_total" + label] == 120
+    assert values["vllm:generation_tokens_total" + label] == 64
+    assert values["vllm:num_preemptions_total" + label] == 1
+    assert values["vllm:prefix_cache_queries_total" + label] == 10
+    assert values["vllm:prefix_cache_hits_total" + label] == 4
+    assert values['vllm:request_success_total{finished_reason="stop",model_name="m"}'] == 5
+    assert values['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 2
+    assert values["llm_course:engine_alive" + label] == 1
+    snapshot["running"] = 7  # read again at the next scrape, never cached
+    assert scrape(metrics)["vllm:num_requests_running" + label] == 7
+
+
+@pytest.mark.ex06
+def test_the_request_tracker_observes_ttft_itl_e2e_and_queue_time(impl):
+    """One request, three outputs: one TTFT, two inter-token gaps, one
+    end-to-end latency and one queue time (first step - arrival)."""
+    metrics = Metrics(lambda: SNAPSHOT, "m", lambda: True, impl.EngineCollector,
+                      impl.RequestTracker)
+    tracker = metrics.tracker()
+    for finished in (False, False, True):
+        tracker.on_output(SimpleNamespace(finished=finished, arrival_time=10.0,
+                                          first_scheduled_time=10.25))
+    values = scrape(metrics)
+    label = '{model_name="m"}'
+    assert values["vllm:time_to_first_token_seconds_count" + label] == 1
+    assert values["vllm:inter_token_latency_seconds_count" + label] == 2
+    assert values["vllm:e2e_request_latency_seconds_count" + label] == 1
+    assert values["vllm:request_queue_time_seconds_count" + label] == 1
+    assert values["vllm:request_queue_time_seconds_sum" + label] == pytest.approx(0.25)
+    e2e = values["vllm:e2e_request_latency_seconds_sum" + label]
+    assert values["vllm:time_to_first_token_seconds_sum" + label] <= e2e
+
+
+@pytest.mark.ex06
+def test_metrics_endpoint_of_a_served_engine(embedded, impl):
+    """The app serves the metrics it is given: after a chat and a stream,
+    /metrics counts them with vLLM's names."""
+    engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
+    metrics = Metrics(engine.snapshot, "local", lambda: engine.alive, impl.EngineCollector,
+                      impl.RequestTracker)
+    local = LocalServer(engine=engine, metrics=metrics)
+    try:
+        assert local_chat(local, max_tokens=4).status_code == 200
+        assert sse_events(local_chat(local, max_tokens=4, stream=True))[-1] == "[DONE]"
+        text = requests.get(local.url + "/metrics").text
+        assert 'vllm:request_success_total{finished_reason="length",model_name="local"} 2.0' \
+            in text
+        assert 'vllm:generation_tokens_total{model_name="local"} 8.0' in text
+        assert 'vllm:time_to_first_token_seconds_count{model_name="local"} 2.0' in text
     finally:
         local.stop()

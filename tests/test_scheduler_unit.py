@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine.block_manager import BlockManager
-from common.engine.scheduler import ContinuousScheduler, StaticScheduler
+from common.engine.scheduler import StaticScheduler
 from common.engine.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken, SamplingFailed
 from common.sampling_params import SamplingParams
@@ -16,11 +16,16 @@ pytestmark = pytest.mark.ch05
 EOS = 0
 
 
-def make(cls=ContinuousScheduler, num_blocks=16, block_size=4, max_num_seqs=8,
-         max_num_batched_tokens=64):
-    bm = BlockManager(num_blocks, block_size)
-    return cls(bm, max_num_seqs, max_num_batched_tokens, eos_token_ids={EOS},
-               max_model_len=1024)
+@pytest.fixture
+def make(impl):
+    """make(cls, ...) -> a scheduler on a fresh block manager; cls defaults to
+    the continuous scheduler under test (the reference or the learner's)."""
+    def build(cls=None, num_blocks=16, block_size=4, max_num_seqs=8,
+              max_num_batched_tokens=64):
+        bm = BlockManager(num_blocks, block_size)
+        return (cls or impl.ContinuousScheduler)(bm, max_num_seqs, max_num_batched_tokens,
+                                                 eos_token_ids={EOS}, max_model_len=1024)
+    return build
 
 
 def seq(request_id: str, prompt_len: int, max_tokens: int = 8, **params) -> Sequence:
@@ -37,7 +42,8 @@ def step(sched, token: int = 7):
     return {item.seq.request_id: item.num_new_tokens for item in batch}, updated
 
 
-def test_admission_stops_at_max_num_seqs():
+@pytest.mark.ex05
+def test_admission_stops_at_max_num_seqs(make):
     sched = make(max_num_seqs=2)
     for i in range(3):
         sched.add(seq(str(i), 3))
@@ -46,7 +52,8 @@ def test_admission_stops_at_max_num_seqs():
     assert [s.request_id for s in sched.waiting] == ["2"]
 
 
-def test_chunked_prefill_boundaries_and_sampling_only_at_the_last_chunk():
+@pytest.mark.ex05
+def test_chunked_prefill_boundaries_and_sampling_only_at_the_last_chunk(make):
     sched = make(max_num_batched_tokens=4)
     long = seq("long", 10)
     sched.add(long)
@@ -58,7 +65,8 @@ def test_chunked_prefill_boundaries_and_sampling_only_at_the_last_chunk():
     assert plan == [(4, 4, 0), (4, 8, 0), (2, 10, 1), (1, 11, 2)]
 
 
-def test_the_token_budget_is_shared_by_decodes_and_a_new_prefill():
+@pytest.mark.ex05
+def test_the_token_budget_is_shared_by_decodes_and_a_new_prefill(make):
     sched = make(max_num_batched_tokens=6)
     sched.add(seq("a", 2))
     sched.add(seq("b", 2))
@@ -68,7 +76,8 @@ def test_the_token_budget_is_shared_by_decodes_and_a_new_prefill():
     assert fed == {"a": 1, "b": 1, "c": 4}  # 2 decodes + the first 4 of c's prompt
 
 
-def test_admission_waits_for_free_blocks():
+@pytest.mark.ex05
+def test_admission_waits_for_free_blocks(make):
     sched = make(num_blocks=3, block_size=4)
     sched.add(seq("a", 8))  # 2 blocks
     sched.add(seq("b", 8))  # 2 more: only 1 free
@@ -76,7 +85,8 @@ def test_admission_waits_for_free_blocks():
     assert fed == {"a": 8} and [s.request_id for s in sched.waiting] == ["b"]
 
 
-def test_preemption_takes_the_newest_and_requeues_it_first():
+@pytest.mark.ex05
+def test_preemption_takes_the_newest_and_requeues_it_first(make):
     sched = make(num_blocks=4, block_size=4)
     a, b = seq("a", 4, max_tokens=20), seq("b", 4, max_tokens=20)
     sched.add(a)
@@ -93,7 +103,8 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert b.num_preemptions == 1 and b.num_output_tokens == 5  # its outputs are kept
 
 
-def test_a_preempted_sequence_recomputes_prompt_and_outputs():
+@pytest.mark.ex05
+def test_a_preempted_sequence_recomputes_prompt_and_outputs(make):
     sched = make(num_blocks=4, block_size=4)
     # 4 + 8 tokens = 3 blocks each: both fit alone, not together.
     a, b = seq("a", 4, max_tokens=8, ignore_eos=True), seq("b", 4, max_tokens=8)
@@ -108,7 +119,7 @@ def test_a_preempted_sequence_recomputes_prompt_and_outputs():
     assert fed["b"] == tokens_of_b  # the re-prefill: prompt + outputs so far
 
 
-def test_static_batches_wait_for_the_whole_batch():
+def test_static_batches_wait_for_the_whole_batch(make):
     sched = make(StaticScheduler)
     sched.add(seq("long", 3, max_tokens=5, ignore_eos=True))
     sched.add(seq("short", 3, max_tokens=1))
@@ -122,8 +133,9 @@ def test_static_batches_wait_for_the_whole_batch():
     assert admitted_late == [False] * 4 + [True] * (len(admitted_late) - 4)
 
 
-def test_continuous_lets_a_late_request_join_at_the_next_step():
-    sched = make(ContinuousScheduler)
+@pytest.mark.ex05
+def test_continuous_lets_a_late_request_join_at_the_next_step(make):
+    sched = make()
     sched.add(seq("long", 3, max_tokens=5))
     step(sched)
     sched.add(seq("late", 3))
@@ -131,7 +143,7 @@ def test_continuous_lets_a_late_request_join_at_the_next_step():
     assert fed == {"long": 1, "late": 3}
 
 
-def test_static_admission_reserves_the_worst_case():
+def test_static_admission_reserves_the_worst_case(make):
     sched = make(StaticScheduler, num_blocks=4, block_size=4)
     sched.add(seq("a", 4, max_tokens=8))  # worst case 12 tokens = 3 blocks
     sched.add(seq("b", 4, max_tokens=8))  # 3 more: does not fit with a
@@ -139,7 +151,8 @@ def test_static_admission_reserves_the_worst_case():
     assert fed == {"a": 4}  # b waits although 3 blocks are free right now
 
 
-def test_update_finishes_on_eos_length_stop_token_and_failure():
+@pytest.mark.ex05
+def test_update_finishes_on_eos_length_stop_token_and_failure(make):
     sched = make()
     eos, length = seq("eos", 3), seq("length", 3, max_tokens=1)
     stop_id, failed = seq("stop_id", 3, stop_token_ids=[42]), seq("failed", 3)
@@ -156,7 +169,8 @@ def test_update_finishes_on_eos_length_stop_token_and_failure():
     assert not sched.running and sched.bm.num_free_blocks == sched.bm.num_blocks
 
 
-def test_abort_from_waiting_and_from_running_frees_everything():
+@pytest.mark.ex05
+def test_abort_from_waiting_and_from_running_frees_everything(make):
     sched = make(max_num_seqs=1)
     running, waiting = seq("running", 5), seq("waiting", 5)
     sched.add(running)

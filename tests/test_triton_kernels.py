@@ -253,7 +253,8 @@ def test_paged_attention_dispatches_to_triton_on_cuda():
     scale = head_dim ** -0.5
 
     k32, v32 = k_cache.float(), v_cache.float()  # the reference's copy, before the store
-    out = reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+    out = reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale,
+                                    reference.attention_ops_for(query.device))
 
     reference.store_kvcache(key.float(), value.float(), k32, v32, meta.slot_mapping)
     assert torch.equal(k_cache.float(), k32) and torch.equal(v_cache.float(), v32)

@@ -92,8 +92,11 @@ class LLMEngine:
                  scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05: the default
                  loaded: LoadedModel | None = None, num_blocks: int | None = None,
                  block_size_is_max_model_len: bool = False,
-                 log_interval_s: float = LOG_INTERVAL_S):
-        """`num_blocks`: a fixed cache size (tests) instead of sizing from the card."""
+                 log_interval_s: float = LOG_INTERVAL_S,
+                 block_manager_cls: type[BlockManager] = BlockManager, attention_ops=None):
+        """`num_blocks`: a fixed cache size (tests) instead of sizing from the card.
+        `block_manager_cls`, `attention_ops`: the components, replaceable (the
+        exercises put the learner's in)."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
@@ -112,13 +115,14 @@ class LLMEngine:
             log.info(line)
         self.kv_cache = KVCache(self.card, self.loaded.model.config, num_blocks,
                                 self.block_size, self.loaded.dtype)
-        self.block_manager = BlockManager(num_blocks, self.block_size,
-                                          config.enable_prefix_caching)  # ch04: blocks
+        self.block_manager = block_manager_cls(num_blocks, self.block_size,
+                                               config.enable_prefix_caching)  # ch04: blocks
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
                                        config.max_num_batched_tokens, self.eos_token_ids,
                                        self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids,
+                                  attention_ops)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self.stats = EngineStats()

@@ -22,8 +22,9 @@ from common.layers.sampler import SampledToken, Sampler, SamplingFailed
 
 
 class ModelRunner:
-    def __init__(self, hf_model, kv_cache: KVCache, eos_token_ids: set[int]):
-        self.model = build_forward(hf_model)
+    def __init__(self, hf_model, kv_cache: KVCache, eos_token_ids: set[int],
+                 attention_ops=None):
+        self.model = build_forward(hf_model, attention_ops)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(hf_model.parameters()).device

@@ -134,10 +134,11 @@ class OpenAIServing(ChatServing):
     streams = True
     fill_max_tokens = True  # a missing max_tokens: whatever fits
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_waiting: int):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_waiting: int,
+                 metrics: Metrics | None = None):
         super().__init__(engine, model_name)
         self.max_waiting = max_waiting
-        self.metrics = Metrics(engine.snapshot, model_name, lambda: engine.alive)
+        self.metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive)
 
     def new_tracker(self):
         return self.metrics.tracker()
@@ -277,8 +278,9 @@ class OpenAIServing(ChatServing):
 
 # -------------------------------------------------------------------- app
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False) -> FastAPI:
-    serving = OpenAIServing(engine, model_name, max_waiting)
+              max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False,
+              metrics: Metrics | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name, max_waiting, metrics)
     app = new_app("Chapter 06: the OpenAI-compatible server", __version__, disable_docs)
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)

@@ -2,9 +2,10 @@
 
 Two ways to answer `POST /v1/chat/completions`:
 
-- chapters 01-02, `build_chat_app(generate)`: a plain `def` endpoint, which
+- chapter 01, `build_chat_app(generate)`: a plain `def` endpoint, which
   FastAPI runs in a worker thread per request, around the chapter's own
-  `generate` function (the loop by hand, or `model.generate`);
+  `generate` function (the loop by hand); chapter 02 writes the same
+  endpoint out around `model.generate`, in its server.py;
 - chapters 03-05, `ChatServing` on the engine (`AsyncLLMEngine`): the
   request is validated once, here, into engine requests (one per choice:
   `n` choices of a seeded request get seeds seed, seed+1, ...), queued,
@@ -108,17 +109,17 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-# ------------------------------------------------- chapters 01-02: a function
+# ---------------------------------------------------- chapter 01: a function
 @dataclass
 class Completion:
-    """What a chapter 01-02 `generate` returns for one prompt."""
+    """What chapter 01's `generate` returns for one prompt."""
     token_ids: list[int]
     finish_reason: Literal["stop", "length"]
 
 
 GenerateFn = Callable[[list[int], ChatCompletionRequest, int, "int | None"], Completion]
 
-# Sampling fields of the engine (ch03+) that chapters 01-02 do not implement:
+# Sampling fields of the engine (ch03+) that chapter 01 does not implement:
 # refused with a 400 when a request sets them, never silently ignored.
 ENGINE_ONLY_FIELDS = ("top_p", "stop", "presence_penalty", "frequency_penalty",
                       "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens",
@@ -143,8 +144,9 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
 
     `generate(prompt_ids, request, max_tokens, seed)` is the chapter's
     model. The endpoint is a plain `def`: FastAPI runs it in its thread
-    pool, one thread per request (chapter 02's design); `serialize=True`
-    puts a lock around `generate` (chapter 01 runs one request at a time).
+    pool, one thread per request; `serialize=True` puts a lock around
+    `generate` (chapter 01 runs one request at a time). Chapter 02 writes
+    the same endpoint out in its server.py, as the source material does.
     `implemented`: the optional sampling fields `generate` honours.
     """
     app = new_app(title, __version__)

@@ -417,6 +417,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = _param(first.get("loc", ()))
     if first["type"] == "unsupported":
         return APIError(400, first["msg"], param=param)
+    if first["type"] == "extra_forbidden":  # a server that accepts only what it implements
+        return APIError(400, f"`{param}` is not implemented by this server.", param=param)
     return APIError(400, f"Invalid value for '{param}': {first['msg']}", param=param)
 
 

@@ -124,14 +124,14 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
     """One layer's attention for a flat batch: store the new K/V, then attend.
 
     query: (num_tokens, H, D); key, value: (num_tokens, H_kv, D).
-    Uses the Triton kernels on CUDA, the PyTorch reference elsewhere.
-    Returns (num_tokens, H, D).
+    `ops`: the three operations (`attention_ops_for` picks them: the Triton
+    kernels on CUDA, the PyTorch reference elsewhere; an exercise may bring
+    its own). Returns (num_tokens, H, D).
     """
-    ops = _kernels_for(query.device)
     ops.store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
     d = meta.num_decodes  # rows 0..d-1: one token each, batched together
     if d == query.shape[0]:
@@ -147,14 +147,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-class _TorchOps:
+class TorchOps:
+    """The PyTorch reference, as one object with the three operations."""
     store_kvcache = staticmethod(store_kvcache)
     paged_decode_attention = staticmethod(paged_decode_attention)
     paged_prefill_attention = staticmethod(paged_prefill_attention)
 
 
-def _kernels_for(device: torch.device):
+def attention_ops_for(device: torch.device):
+    """The Triton kernels on CUDA, the PyTorch reference elsewhere."""
     if device.type == "cuda":
         from common.layers import triton_kernels  # ch04: the same operations in Triton
         return triton_kernels
-    return _TorchOps
+    return TorchOps

@@ -2,7 +2,7 @@
 
 The same three operations as the PyTorch reference in common/layers/attention.py,
 with the same names, arguments and results; attention.py calls these on
-CUDA (`_kernels_for`). Each is one `@triton.jit` kernel plus a thin Python
+CUDA (`attention_ops_for`). Each is one `@triton.jit` kernel plus a thin Python
 wrapper that checks the inputs, picks the grid and launches it:
 
 1. `store_kvcache`: one program per new token copies its K and V rows

@@ -4,15 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def build_forward(hf_model):
-    """The forward pass for this HF model's family."""
+def build_forward(hf_model, attention_ops=None):
+    """The forward pass for this HF model's family. `attention_ops`: see
+    common.layers.attention.paged_attention (default: picked for the device)."""
     model_type = hf_model.config.model_type
     if model_type in ("llama", "qwen2", "mistral"):
         from common.models.llama import LlamaForward
-        return LlamaForward(hf_model)
+        return LlamaForward(hf_model, attention_ops)
     if model_type == "gpt2":
         from common.models.gpt2 import GPT2Forward
-        return GPT2Forward(hf_model)
+        return GPT2Forward(hf_model, attention_ops)
     raise NotImplementedError(
         f"no forward pass for model_type={model_type!r}: chapters 03+ cover "
         "llama, qwen2, mistral and gpt2 (chapters 01-02 run any model)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.layers.attention import AttentionMetadata, paged_attention
+from common.layers.attention import AttentionMetadata, attention_ops_for, paged_attention
 from common.models import lm_head
 
 
@@ -22,9 +22,10 @@ def conv1d(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 class GPT2Forward:
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, attention_ops=None):
         cfg = hf_model.config
         self.hf = hf_model
+        self.attention_ops = attention_ops or attention_ops_for(hf_model.device)
         self.transformer = hf_model.transformer
         self.num_heads = cfg.n_head
         self.num_kv_heads = cfg.n_head
@@ -40,7 +41,8 @@ class GPT2Forward:
         q, k, v = conv1d(x, block.attn.c_attn).split(x.shape[-1], dim=-1)
         shape = (num_tokens, self.num_heads, self.head_dim)
         out = paged_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
-                              k_cache, v_cache, meta, self.scale)  # (T, H, D)
+                              k_cache, v_cache, meta, self.scale,
+                              self.attention_ops)  # (T, H, D)
         return conv1d(out.reshape(num_tokens, -1), block.attn.c_proj)
 
     def mlp(self, block, x):

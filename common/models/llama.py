@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.layers.attention import AttentionMetadata, paged_attention
+from common.layers.attention import AttentionMetadata, attention_ops_for, paged_attention
 from common.models import lm_head
 
 
@@ -39,9 +39,10 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 
 
 class LlamaForward:
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, attention_ops=None):
         cfg = hf_model.config
         self.hf = hf_model
+        self.attention_ops = attention_ops or attention_ops_for(hf_model.device)
         self.layers = hf_model.model.layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -70,7 +71,8 @@ class LlamaForward:
         v = linear(x, attn.v_proj).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin  # (T, H, D)
         k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
+                              self.attention_ops)  # (T, H, D)
         return linear(out.reshape(num_tokens, -1), attn.o_proj)
 
     def mlp(self, layer, x):

@@ -1,0 +1,105 @@
+"""The components the tests grade: the course's reference ones, or a
+learner's from a chapter's `exercises/` folder.
+
+This is the one switch of the exercises: `pytest --exercise 04` (what
+`make exercise CH=04` runs) gives the tests chapter 04's exercise files in
+place of the reference modules of `common/`. The engine takes these
+components as arguments (`LLMEngine(block_manager_cls=..., scheduler_cls=...,
+attention_ops=...)`, `Metrics(collector_cls=..., tracker_cls=...)`), so
+nothing is patched: the tests build the engine with what they are given.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+from common import autoregressive, memory
+from common.engine import block_manager, scheduler
+from common.entrypoints import metrics
+from common.layers import attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Exercise:
+    chapter: str
+    folder: str
+    file: str  # in <folder>/exercises/
+    names: tuple[str, ...]  # what the learner writes in it
+    reference: str  # where the reference lives
+
+
+EXERCISES = {
+    "01": Exercise("01", "01-concepts", "autoregressive.py",
+                   ("sample_next_token", "generate_without_cache"), "common/autoregressive.py"),
+    "02": Exercise("02", "02-minimal-pytorch-inference", "memory.py",
+                   ("kv_cache_shape", "kv_bytes_per_token", "static_cache_bytes"),
+                   "common/memory.py"),
+    "03": Exercise("03", "03-kv-cache", "attention.py",
+                   ("store_kvcache", "paged_decode_attention", "paged_prefill_attention"),
+                   "common/layers/attention.py"),
+    "04": Exercise("04", "04-paged-attention", "block_manager.py",
+                   ("BlockManager", "compute_block_hash"), "common/engine/block_manager.py"),
+    "05": Exercise("05", "05-continuous-batching", "scheduler.py",
+                   ("ContinuousScheduler",), "common/engine/scheduler.py"),
+    "06": Exercise("06", "06-openai-server", "metrics.py",
+                   ("EngineCollector", "RequestTracker"), "common/entrypoints/metrics.py"),
+}
+
+
+@dataclass(frozen=True)
+class Components:
+    """What the graded tests build the engine and call functions with."""
+    # ch01
+    sample_next_token: object = autoregressive.sample_next_token
+    generate_without_cache: object = autoregressive.generate_without_cache
+    # ch02
+    kv_cache_shape: object = memory.kv_cache_shape
+    kv_bytes_per_token: object = memory.kv_bytes_per_token
+    static_cache_bytes: object = memory.static_cache_bytes
+    # ch03: the three attention operations, as one object
+    attention_ops: object = attention.TorchOps
+    # ch04
+    BlockManager: type = block_manager.BlockManager
+    block_manager_module: ModuleType = block_manager  # where compute_block_hash lives
+    # ch05
+    ContinuousScheduler: type = scheduler.ContinuousScheduler
+    # ch06
+    EngineCollector: type = metrics.EngineCollector
+    RequestTracker: type = metrics.RequestTracker
+    exercise: str | None = field(default=None)
+
+
+def exercise_path(chapter: str) -> Path:
+    ex = EXERCISES[chapter]
+    return ROOT / ex.folder / "exercises" / ex.file
+
+
+def load_exercise(chapter: str) -> ModuleType:
+    """Import a chapter's exercise file as a module of its own."""
+    path = exercise_path(chapter)
+    name = f"exercise_{chapter}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def components_for(chapter: str | None) -> Components:
+    """The reference components, with one chapter's replaced by the learner's."""
+    if chapter is None:
+        return Components()
+    module = load_exercise(chapter)
+    learner = {name: getattr(module, name) for name in EXERCISES[chapter].names}
+    if chapter == "03":
+        return replace(Components(), exercise=chapter,
+                       attention_ops=SimpleNamespace(**learner))
+    if chapter == "04":
+        return replace(Components(), exercise=chapter, BlockManager=learner["BlockManager"],
+                       block_manager_module=module)
+    return replace(Components(), exercise=chapter, **learner)

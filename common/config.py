@@ -33,6 +33,7 @@ class EngineConfig:
     # The scheduler (ch05).
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    enforce_eager: bool = False  # ch05 on CUDA: no CUDA graphs
     seed: int = 0
 
     @property
@@ -76,6 +77,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=d.max_num_batched_tokens,
                    help="most tokens in one forward pass (ch03+)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (CUDA only; the CPU is always eager)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
     return p

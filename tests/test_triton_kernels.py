@@ -199,6 +199,20 @@ def test_store_kvcache_writes_exactly_the_given_slots(block_size, num_kv_heads):
     check_store(21, block_size, num_kv_heads, HEAD_DIM, torch.float32)
 
 
+def test_store_kvcache_skips_slot_minus_one():
+    """The padding rows of a CUDA graph's batch write nothing (slot -1)."""
+    key = torch.randn(3, 2, HEAD_DIM, device=DEVICE)
+    value = torch.randn(3, 2, HEAD_DIM, device=DEVICE)
+    k_cache = torch.zeros(2, 4, 2, HEAD_DIM, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, -1, 2], device=DEVICE)
+    triton_kernels.store_kvcache(key, value, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, 2, HEAD_DIM)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[2], key[2])
+    assert int((flat.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # nothing else written
+    assert torch.equal(v_cache.view(-1, 2, HEAD_DIM)[5], value[0])
+
+
 def test_head_dim_not_a_power_of_two_is_refused_clearly():
     query = torch.zeros(1, 2, 24, device=DEVICE)
     cache = torch.zeros(2, 16, 2, 24, device=DEVICE)

@@ -7,7 +7,10 @@ sequence's tokens start). Decode sequences (one new token) go first so that
 attention can batch them. Only the last token of a sequence that is ready
 to sample goes through the LM head.
 
-Left out: CUDA graphs, padding batches to fixed sizes, async scheduling.
+CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
+
+Left out: async scheduling (preparing step n+1 while step n runs), graphs
+of prefill steps.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from common.layers.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.models import build_forward
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed
@@ -25,6 +29,7 @@ class ModelRunner:
     def __init__(self, hf_model, kv_cache: KVCache, eos_token_ids: set[int],
                  attention_ops=None):
         self.model = build_forward(hf_model, attention_ops)
+        self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(hf_model.parameters()).device
@@ -67,7 +72,10 @@ class ModelRunner:
         # ch05: prefill chunks and decodes share the batch; decodes go first
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(len(batch), meta.num_decodes):
+            hidden = self.graphs.run(input_ids, positions, meta)  # ch05: a CUDA graph replay
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
         sampling = [i for i, item in enumerate(batch) if item.samples]
         if not sampling:
             return {}
@@ -79,6 +87,13 @@ class ModelRunner:
             [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             banned=[self._banned(s) for s in seqs])
         return dict(zip(seqs, sampled))
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """ch05 on CUDA: record decode steps as CUDA graphs (cuda_graphs.py)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_cache.kv_caches, max_num_seqs,
+                                   -(-max_model_len // self.block_size), self.block_size,
+                                   self.device)
+        self.graphs.capture()
 
     def _banned(self, seq) -> list[int]:
         """EOS may not be picked before min_tokens."""

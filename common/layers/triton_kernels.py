@@ -94,16 +94,16 @@ def _store_kvcache_kernel(
     heads = tl.arange(0, KV_HEADS_PADDED)[:, None]  # (KV_HEADS_PADDED, 1)
     dims = tl.arange(0, HEAD_DIM)[None, :]  # (1, HEAD_DIM)
     mask = heads < num_kv_heads  # (KV_HEADS_PADDED, 1)
-
-    k = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head
-                + dims * key_stride_dim, mask=mask)  # (KV_HEADS_PADDED, HEAD_DIM)
-    v = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head
-                + dims * value_stride_dim, mask=mask)
-    cache_offsets = (block * cache_stride_block + offset * cache_stride_offset
-                     + heads * cache_stride_head + dims * cache_stride_dim)
-    # tl.store casts to the cache's dtype, like the reference's assignment.
-    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+    if slot >= 0:  # slot -1: a padding row of a CUDA graph's batch (ch05), nothing to write
+        k = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head
+                    + dims * key_stride_dim, mask=mask)  # (KV_HEADS_PADDED, HEAD_DIM)
+        v = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head
+                    + dims * value_stride_dim, mask=mask)
+        cache_offsets = (block * cache_stride_block + offset * cache_stride_offset
+                         + heads * cache_stride_head + dims * cache_stride_dim)
+        # tl.store casts to the cache's dtype, like the reference's assignment.
+        tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The one-shot GPU check (bench/gpu_check.py), for a GPU machine that has
+# torch, triton and transformers but not the web stack: install the wheels
+# of .whl/ (made here by `make gpu-wheels`) into /tmp/site, then run it.
+#
+#   bash bench/gpu_check.sh            # results in $OUT, or bench/results/gpu-check/
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -m bench.gpu_check --out "${OUT:-bench/results/gpu-check}" "$@"

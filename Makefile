@@ -58,7 +58,7 @@ test: $(STAMP) ## run the test suite (offline, CPU)
 exercise: $(STAMP) ## CH=04: grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
 
-exercises-check: $(STAMP) ## every untouched stub fails its grading tests (CI)
+exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests (make test passes them on the reference)
 	$(PY) -m tests.check_exercises
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM

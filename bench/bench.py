@@ -54,17 +54,18 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from common.loader import load_model
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
     ChapterServer,
     fetch_stats,
+    free_port,
     run_load,
     send_one,
 )
-from common.memory import MiB
 from bench.peers import PEERS, run_peer
+from common.loader import load_model
+from common.memory import MiB
 
 BENCH_DIR = ROOT / "bench"
 STREAMING_CHAPTERS = {"06"}  # the chapters whose server streams (TTFT, TPOT, ITL)
@@ -204,12 +205,6 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------- measuring
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_args(s: Settings, card_gb: float | None) -> list[str]:
     args = [s.model, "--load-format", s.load_format, "--dtype", s.dtype,
             "--max-num-seqs", str(s.max_num_seqs),

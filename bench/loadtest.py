@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -165,6 +166,22 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
     }
 
 
+def free_port() -> int:
+    """A port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def fetch_stats(base_url: str) -> dict | None:
     try:
         response = requests.get(base_url.rstrip("/") + "/stats", timeout=5)
@@ -211,6 +228,8 @@ class ChapterServer:
     def __init__(self, chapter: str, port: int, server_args: list[str],
                  log_path: Path, startup_timeout: float = 300.0):
         self.chapter = CHAPTERS.get(chapter, chapter)
+        if not port_is_free(port):  # else /health would answer for another server
+            raise RuntimeError(f"port {port} is already in use: give another --port")
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         command = [sys.executable, str(ROOT / self.chapter / "server.py"),
@@ -295,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server (default: start --chapter)")
     parser.add_argument("--chapter", help="01..06: start that chapter's server")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, default=None,
+                        help="for the started server (default: a free port)")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--requests", type=int, default=1, help="per client")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -320,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         summary = run(args.url)
     else:
-        log_path = Path(f"/tmp/loadtest-ch{args.chapter}.log")
-        with ChapterServer(args.chapter, args.port, server_args, log_path) as server:
+        port = args.port or free_port()
+        log_path = Path(f"/tmp/loadtest-ch{args.chapter}-{port}.log")
+        with ChapterServer(args.chapter, port, server_args, log_path) as server:
             summary = run(server.url)
             summary["server_alive_after"] = server.alive()
             print(f"--- server log ({log_path}), last lines ---\n{server.log_tail()}\n---")

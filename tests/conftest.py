@@ -3,7 +3,6 @@ servers started once per module on free ports (offline, CPU)."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -20,8 +19,8 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.loadtest import ChapterServer, free_port  # noqa: E402
 from common.loader import load_model  # noqa: E402
-from bench.loadtest import ChapterServer  # noqa: E402
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -53,12 +52,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                          max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +124,8 @@ def pytest_runtest_makereport(item, call):
     from tests.components import EXERCISES, exercise_path
     ex = EXERCISES[chapter]
     where = exercise_path(chapter).relative_to(ROOT)
-    what = (item.obj.__doc__ or item.name.replace("_", " ")).strip().splitlines()[0]
+    doc = (item.obj.__doc__ or item.name.replace("_", " ")).strip()
+    what = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
     if call.excinfo.errisinstance(NotImplementedError):
         frame = call.excinfo.traceback[-1]
         advice = (f"`{frame.name}` in {where} is still a stub (NotImplementedError). "

@@ -4,11 +4,10 @@ import threading
 
 import pytest
 import torch
-
-from bench.loadtest import format_table, send_one, summarize
 from transformers import GPT2Config, LlamaConfig
 
-from common.memory import MiB, Card
+from bench.loadtest import format_table, send_one, summarize
+from common.memory import Card, MiB
 from tests.conftest import PROMPTS, openai_client, wait_for
 from tests.test_ch01_foundation import assert_bad_input_rejected
 

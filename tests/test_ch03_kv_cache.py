@@ -4,14 +4,14 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from common.layers.attention import AttentionMetadata
+from bench.loadtest import run_load
 from common.autoregressive import generate_without_cache
 from common.engine.kv_cache import KVCache
+from common.layers.attention import AttentionMetadata
+from common.layers.sampler import Sampler, filter_logits
 from common.loader import apply_chat_template
-from bench.loadtest import run_load
 from common.memory import Card
 from common.models import build_forward
-from common.layers.sampler import Sampler, filter_logits
 from common.sampling_params import SamplingParams
 from tests.bad_inputs import assert_rejected_on_one_connection
 from tests.conftest import PROMPTS, hf_greedy

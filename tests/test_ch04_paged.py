@@ -1,10 +1,10 @@
 """Chapter 04: blocks, block tables, prefix caching, static batching."""
 import pytest
 
-from common.loader import apply_chat_template
 from bench.loadtest import SYSTEM_PROMPT, run_load
-from common.sampling_params import SamplingParams
 from common.engine.sequence import Sequence
+from common.loader import apply_chat_template
+from common.sampling_params import SamplingParams
 from tests.conftest import PROMPTS, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 

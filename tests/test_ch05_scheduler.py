@@ -7,10 +7,10 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.loadtest import run_load
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.entrypoints.llm import LLM
 from common.loader import apply_chat_template
-from bench.loadtest import run_load
 from common.sampling_params import SamplingParams
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
 from tests.conftest import PROMPTS, hf_greedy, wait_for

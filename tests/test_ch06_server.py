@@ -17,10 +17,10 @@ import openai
 import pytest
 import requests
 
+from common.engine.async_llm import AsyncLLMEngine
 from common.entrypoints.api_server import build_app
 from common.entrypoints.chat_server import exit_code, make_server
 from common.entrypoints.metrics import Metrics
-from common.engine.async_llm import AsyncLLMEngine
 from common.loader import apply_chat_template
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
 from tests.conftest import PROMPTS, free_port, hf_greedy, openai_client, wait_for
@@ -707,8 +707,10 @@ def test_metrics_endpoint_of_a_served_engine(embedded, impl):
                       impl.RequestTracker)
     local = LocalServer(engine=engine, metrics=metrics)
     try:
-        assert local_chat(local, max_tokens=4).status_code == 200
-        assert sse_events(local_chat(local, max_tokens=4, stream=True))[-1] == "[DONE]"
+        answer = local_chat(local, max_tokens=4)
+        assert answer.status_code == 200, answer.text  # a 500's body names the error
+        events = sse_events(local_chat(local, max_tokens=4, stream=True))
+        assert events[-1] == "[DONE]" and '"error"' not in events[-2], events[-2]
         text = requests.get(local.url + "/metrics").text
         assert 'vllm:request_success_total{finished_reason="length",model_name="local"} 2.0' \
             in text

@@ -33,6 +33,16 @@ def seq(request_id: str, prompt_len: int, max_tokens: int = 8, **params) -> Sequ
                     SamplingParams(max_tokens=max_tokens, **params))
 
 
+def steps_until(sched, done, limit: int = 200) -> int:
+    """Step until `done()` holds; a scheduler that never gets there fails
+    the test instead of hanging it. Returns the number of steps."""
+    for count in range(1, limit + 1):
+        step(sched)
+        if done():
+            return count
+    raise AssertionError(f"still not there after {limit} steps")
+
+
 def step(sched, token: int = 7):
     """schedule, then a fake model output: `token` for every sequence that
     samples. Returns {request id: tokens fed} and the updated sequences."""
@@ -91,10 +101,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first(make):
     a, b = seq("a", 4, max_tokens=20), seq("b", 4, max_tokens=20)
     sched.add(a)
     sched.add(b)
-    steps = 0
-    while sched.num_preemptions == 0:
-        step(sched)
-        steps += 1
+    steps = steps_until(sched, lambda: sched.num_preemptions > 0)
     # 2 blocks each fill up at 8 tokens; the 9th needs a third: none is free.
     assert steps == 6 and sched.num_preemptions == 1
     assert b.status is SequenceStatus.WAITING and sched.waiting[0] is b
@@ -110,11 +117,13 @@ def test_a_preempted_sequence_recomputes_prompt_and_outputs(make):
     a, b = seq("a", 4, max_tokens=8, ignore_eos=True), seq("b", 4, max_tokens=8)
     sched.add(a)
     sched.add(b)
-    while sched.num_preemptions == 0:
-        step(sched)
+    steps_until(sched, lambda: sched.num_preemptions > 0)
     tokens_of_b = b.num_tokens
-    while b.status is not SequenceStatus.RUNNING:
+    fed = {}
+    for _ in range(200):
         fed, _ = step(sched)
+        if b.status is SequenceStatus.RUNNING:
+            break
     assert a.finish_reason == "length"  # b came back once a had finished
     assert fed["b"] == tokens_of_b  # the re-prefill: prompt + outputs so far
 
@@ -126,7 +135,9 @@ def test_static_batches_wait_for_the_whole_batch(make):
     step(sched)  # both admitted; short finishes at once (max_tokens 1)
     sched.add(seq("late", 3))
     admitted_late = []
-    while sched.has_unfinished():
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
         fed, _ = step(sched)
         admitted_late.append("late" in fed)
     # late joins only once long has finished: 4 more steps of long first

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from common.memory import (Card, activation_bytes_estimate, format_bytes, kv_bytes_per_token,
-                           kv_cache_shape)
+from common.memory import (
+    Card,
+    activation_bytes_estimate,
+    format_bytes,
+    kv_bytes_per_token,
+    kv_cache_shape,
+)
 
 
 @torch.no_grad()

@@ -123,7 +123,8 @@ class LLMEngine:
                                        self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids,
                                   attention_ops)
-        if self.loaded.device.type == "cuda" and not config.enforce_eager:
+        if self.loaded.device.type == "cuda" and not config.enforce_eager \
+                and attention_ops is None:  # graphs need the Triton kernels (no host syncs)
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)  # ch05
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests

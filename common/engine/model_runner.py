@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from common.layers.attention import AttentionMetadata
-from common.engine.kv_cache import KVCache
-from common.models import build_forward
 from common.engine.cuda_graphs import DecodeGraphs
+from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
+from common.layers.attention import AttentionMetadata
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed
+from common.models import build_forward
 
 
 class ModelRunner:

@@ -44,16 +44,37 @@ from common.config import config_from_args
 from common.engine.async_llm import AsyncLLMEngine
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import ContinuousScheduler
-from common.entrypoints.chat_server import (Answer, ChatServing, Choice, add_engine_routes,
-                                            check_model_name, close_all, engine_error,
-                                            merge_choices, parse_server_args, serve,
-                                            server_parser, usage)
+from common.entrypoints.chat_server import (
+    Answer,
+    ChatServing,
+    Choice,
+    add_engine_routes,
+    check_model_name,
+    close_all,
+    engine_error,
+    merge_choices,
+    parse_server_args,
+    serve,
+    server_parser,
+    usage,
+)
 from common.entrypoints.metrics import Metrics
-from common.entrypoints.protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest,
-                                         ChatMessage, ChunkChoice, CompletionChoice,
-                                         CompletionLogprobs, CompletionRequest,
-                                         CompletionResponse, StrictModel, Text, Usage, new_app,
-                                         new_id)
+from common.entrypoints.protocol import (
+    APIError,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    StrictModel,
+    Text,
+    Usage,
+    new_app,
+    new_id,
+)
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
 

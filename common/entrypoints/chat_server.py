@@ -38,17 +38,37 @@ from starlette.concurrency import run_in_threadpool
 
 from common import __version__
 from common.config import add_engine_args, config_from_args, resolve_model_flags
-from common.engine.async_llm import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
-                                     RequestStream)
-from common.engine.llm_engine import (ContextLengthError, LLMEngine, check_context_length,
-                                      default_max_tokens)
+from common.engine.async_llm import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
+from common.engine.llm_engine import (
+    ContextLengthError,
+    LLMEngine,
+    check_context_length,
+    default_max_tokens,
+)
 from common.engine.output_processor import RequestOutput
 from common.engine.scheduler import Scheduler
-from common.entrypoints.protocol import (APIError, ChatChoice, ChatCompletionRequest,
-                                         ChatCompletionResponse, ChatLogprobs, ModelCard,
-                                         ModelList, ResponseMessage, SamplingFields,
-                                         TokenLogprob, TopLogprob, Usage, internal_error,
-                                         new_app, new_id)
+from common.entrypoints.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    internal_error,
+    new_app,
+    new_id,
+)
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
 from common.sampling_params import RequestOutputKind, SamplingParams

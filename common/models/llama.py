@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.layers.attention import AttentionMetadata, attention_ops_for, paged_attention
+from common.layers.attention import (
+    AttentionMetadata,
+    attention_ops_for,
+    paged_attention,
+)
 from common.models import lm_head
 
 

@@ -154,6 +154,7 @@ class OpenAIServing(ChatServing):
 
     streams = True
     fill_max_tokens = True  # a missing max_tokens: whatever fits
+    observes_every_token = True  # TTFT and inter-token latencies, streamed or not
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_waiting: int,
                  metrics: Metrics | None = None):

@@ -208,10 +208,13 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
 
 # ----------------------------------------------- chapters 03-06: the engine
 def sampling_params_from_request(req: SamplingFields, max_tokens: int, sample: int = 0,
-                                 logprobs: int | None = None) -> SamplingParams:
+                                 logprobs: int | None = None,
+                                 output_kind: RequestOutputKind = RequestOutputKind.DELTA
+                                 ) -> SamplingParams:
     """The engine's SamplingParams for choice `sample` of a request: sample
     k of a seeded request gets seed + k, so the n choices differ yet replay
-    the same. The servers read deltas."""
+    the same. `output_kind`: a delta per token (streams, latency metrics)
+    or only the final output (a whole answer)."""
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k if req.top_k > 0 else -1,  # 0 and -1 both mean off, as in vLLM
@@ -221,7 +224,7 @@ def sampling_params_from_request(req: SamplingFields, max_tokens: int, sample: i
         seed=None if req.seed is None else req.seed + sample,
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
-        output_kind=RequestOutputKind.DELTA)
+        output_kind=output_kind)
 
 
 @dataclass
@@ -271,7 +274,8 @@ async def merge_choices(choices: list[Choice]) -> AsyncIterator[tuple[int, Reque
 
 @dataclass
 class Answer:
-    """One choice's whole answer, collected from its deltas."""
+    """One choice's whole answer, collected from its deltas (or its one
+    final output)."""
     text: list[str] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     num_tokens: int = 0
@@ -290,6 +294,7 @@ class ChatServing:
 
     streams = False  # ch06: OpenAIServing streams
     fill_max_tokens = False  # ch06: a missing max_tokens fills the context
+    observes_every_token = False  # ch06: latency metrics need a delta per token
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine = engine
@@ -316,7 +321,12 @@ class ChatServing:
             len(prompt_ids), fill=self.fill_max_tokens)
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(req.logit_bias_ids()), "logit_bias")
-        params = sampling_params_from_request(req, max_tokens, sample, req.logprobs_count())
+        # A whole answer needs only the final output (vLLM's FINAL_ONLY): one
+        # message from the engine thread per request instead of one per token.
+        per_token = req.stream or self.observes_every_token
+        params = sampling_params_from_request(
+            req, max_tokens, sample, req.logprobs_count(),
+            RequestOutputKind.DELTA if per_token else RequestOutputKind.FINAL_ONLY)
         try:
             self.engine.check_request(len(prompt_ids), params)
         except ContextLengthError as exc:

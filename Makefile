@@ -22,22 +22,32 @@ STREAM      ?=
 PORT        ?= 8000
 
 # `make bench` knobs (bench/bench.py): an empty one keeps the preset's value.
-# QUICK=1 (2 min) PEERS=1 (+ transformers) CHAPTERS="02 05" BENCH_CARD=1.1
-# ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); CLIENTS
+# QUICK=1 (2 min) PEERS=1 (+ llama.cpp, transformers; PEERS=llama-cpp: only
+# llama.cpp) LLAMACPP_DTYPE=bf16 URL=http://host:port (+ a running server;
+# URL_NAME=its row) CHAPTERS="02 05" (CHAPTERS=none: none) BENCH_CARD=1.1
+# ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); LEVERS=1
+# (+ chapter 06 with --quantization int8, int4; LEVERS="int8 bfloat16 tp3"); CLIENTS
 # ("1 4 16" runs each), REQUESTS and MAX_TOKENS count only when given.
 QUICK       ?=
 PEERS       ?=
+LEVERS      ?=
+URL         ?=
+URL_NAME    ?=
+LLAMACPP_DTYPE ?=
 CHAPTERS    ?=
 BENCH_CARD  ?=
 ROOMY_CARD  ?=
 DEADLINE    ?=
 given        = $(if $(filter command% environment%,$(origin $(1))),$(2) $($(1)))
-BENCH_ARGS   = $(if $(PEERS),--peers) $(if $(CHAPTERS),--chapters $(CHAPTERS)) \
+BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
+  $(if $(LEVERS),--levers $(filter-out 1,$(LEVERS))) \
+  $(if $(URL),--url $(URL)) $(if $(URL_NAME),--url-name $(URL_NAME)) \
+  $(if $(LLAMACPP_DTYPE),--llamacpp-dtype $(LLAMACPP_DTYPE)) $(if $(CHAPTERS),--chapters $(CHAPTERS)) \
   $(if $(BENCH_CARD),--card $(BENCH_CARD)) $(if $(ROOMY_CARD),--roomy-card $(ROOMY_CARD)) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu
+.PHONY: gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -75,7 +85,7 @@ serve: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 DTYPE=float32: run one chapter's ser
 	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
 	  $(call given,CARD,--device-memory-gb)
 
-bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 ...)
+bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)
 	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
 
 bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05/06: bench/sweep.png
@@ -83,6 +93,27 @@ bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05
 
 bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, with peers (< 8 min)
 	$(PY) -m bench.bench --preset gpu $(BENCH_ARGS)
+
+levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
+	$(PY) -m bench.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
+
+llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
+	nice -n 19 $(PY) -m bench.llamacpp build --jobs $(or $(JOBS),2)
+
+# GuideLLM (vLLM's recommended benchmark tool) in its own venv, installed on
+# first use with the course's pins (torch, transformers, ...) as constraints.
+GUIDELLM_VENV := .guidellm-venv
+GUIDELLM      := guidellm==0.8.1
+$(GUIDELLM_VENV)/.installed: requirements.txt
+	python3 -m venv $(GUIDELLM_VENV)
+	nice -n 19 $(GUIDELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	nice -n 19 $(GUIDELLM_VENV)/bin/python -m pip install --quiet -c requirements.txt $(GUIDELLM)
+	touch $@
+
+guidellm: $(STAMP) $(GUIDELLM_VENV)/.installed ## CH=05 or URL=http://host:port, CLIENTS REQUESTS MAX_TOKENS as loadtest: GuideLLM (own venv) beside our load test, same load
+	$(PY) -m bench.guidellm_check $(if $(URL),--url $(URL),--chapter $(CH) --dtype $(DTYPE) \
+	  $(call given,CARD,--device-memory-gb)) --clients $(CLIENTS) --requests $(REQUESTS) \
+	  --max-tokens $(MAX_TOKENS) --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
 # What bench/gpu_check.sh installs on a GPU machine that has torch, triton
 # and transformers (Python 3.12, x86-64): the web stack, the metrics, plots.
@@ -102,5 +133,5 @@ gpu-wheels: ## download the wheels bench/gpu_check.sh installs on a GPU machine 
 slides: ## CH=01: show a chapter's slides in mdp
 	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md
 
-clean: ## remove the venv and caches (not the converted model in ~/.cache)
-	rm -rf $(VENV) .pytest_cache
+clean: ## remove the venvs and caches (not the converted model in ~/.cache, nor .llamacpp/)
+	rm -rf $(VENV) $(GUIDELLM_VENV) .pytest_cache

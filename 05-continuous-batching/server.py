@@ -4,7 +4,8 @@ Switches on: common/engine/scheduler.py's continuous policy. At every step the
 running sequences decode one token each, waiting ones join as soon as
 blocks and budgets allow, finished ones leave at once; long prompts are
 prefilled in chunks; when blocks run out the newest sequence is preempted
-and recomputed later.
+and recomputed later. Prefix caching (chapter 04) is on by default, as in
+vLLM's current engine: `--no-enable-prefix-caching` turns it off.
 
     python 05-continuous-batching/server.py --device-memory-gb 1.1
 """
@@ -18,4 +19,5 @@ from common.entrypoints.chat_server import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main("Chapter 05: continuous batching",
-                  scheduler_cls=ContinuousScheduler))  # ch05: iteration-level scheduling
+                  scheduler_cls=ContinuousScheduler,  # ch05: iteration-level scheduling
+                  enable_prefix_caching=True))  # ch05: on by default, as in vLLM's engine

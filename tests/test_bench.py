@@ -5,12 +5,15 @@ rendered and the pictures drawn, and that failures are rows, not crashes.
 """
 import dataclasses
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 import torch
 
-from bench import bench
-from bench.loadtest import CHAPTERS
+from bench import bench, llamacpp
+from bench.loadtest import CHAPTERS, prompt_messages
 
 pytestmark = pytest.mark.bench
 TINY = ["--model", "tiny-llama", "--load-format", "dummy"]
@@ -26,7 +29,10 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
     assert {"cpu", "cores", "gpu", "torch", "transformers", "host"} <= set(record["machine"])
     assert record["settings"]["model"] == "tiny-llama"
     names = [row["name"] for row in record["rows"]]
-    assert names == ["05", "hf-generate", "hf-static-batch", "hf-generate-batch"]
+    assert names == ["05", "llama.cpp f32", "hf-generate", "hf-static-batch",
+                     "hf-generate-batch"]
+    llama = record["rows"].pop(1)  # the bench's model is not the one llama.cpp runs
+    assert llama["status"] == "skipped" and "embedded model only" in llama["first_error"]
     for row in record["rows"]:
         assert set(bench.FIGURES) <= set(row), row["name"]
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8), row
@@ -105,3 +111,128 @@ def test_the_gpu_preset_says_plainly_that_it_needs_cuda(tmp_path, capsys):
     assert bench.main(["--preset", "gpu", "--out-dir", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
+
+
+# ------------------------------------------------- servers that are not ours
+def test_a_running_server_at_a_url_is_one_more_row(start_server, tmp_path):
+    """`--url`: the same load over HTTP on a server the bench did not start
+    (here chapter 05, which does not stream: the row falls back to whole
+    answers and says so), named by --url-name or by the server's model id."""
+    server = start_server("05", "tiny-llama", "--load-format", "dummy", "--dtype", "float32")
+    code = bench.main(["--preset", "quick", "--chapters", "none", "--url", server.url,
+                       "--url-name", "by-url", "--url", server.url, "--clients", "2",
+                       "--max-tokens", "4", "--out-dir", str(tmp_path), *TINY])
+    assert code == 0
+    [json_path] = (tmp_path / "results").glob("*-quick.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [row["name"] for row in rows] == ["by-url", "tiny-llama"]  # 2nd: /v1/models
+    for row in rows:
+        assert (row["system"], row["url"], row["status"]) == ("url", server.url, "ok")
+        assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8)
+        assert row["stream"] is False and "whole answers" in row["note"]
+        assert row["peak_kv_used_bytes"] > 0  # our server has /stats
+    table = json_path.with_suffix(".md").read_text()
+    assert "| by-url | - | 2x1x4 |" in table and "a running server at" in table
+
+
+class _NoExtrasServer(BaseHTTPRequestHandler):
+    """A strict OpenAI-like server: `ignore_eos` is an unknown field (400),
+    it never streams, and its answers stop at EOS after 3 tokens."""
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # http.server calls it so
+        self._send(200, {"object": "list", "data": [{"id": "strict-model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if "ignore_eos" in body:
+            self._send(400, {"error": {"message": "Unrecognized request argument "
+                                       "supplied: ignore_eos", "param": None}})
+            return
+        assert body["model"] == "strict-model"
+        tokens = min(3, body["max_tokens"])
+        self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "Paris."}}],
+                         "usage": {"prompt_tokens": 30, "completion_tokens": tokens,
+                                   "total_tokens": 30 + tokens}})
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_a_server_that_refuses_ignore_eos_is_loaded_without_it_and_the_row_says_so(tmp_path):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _NoExtrasServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], urls=[url],
+                                       clients=[2], max_tokens=4)
+        [row] = bench.run_bench(settings, tmp_path)
+    finally:
+        httpd.shutdown()
+    assert (row["name"], row["status"], row["completed"]) == ("strict-model", "ok", 2)
+    assert row["output_tokens"] == 6  # what `usage` reports, not 2 x max_tokens
+    assert "refused ignore_eos" in row["note"] and "whole answers" in row["note"]
+    assert "answers shorter than asked: 6 of 8 tokens" in row["note"]
+
+
+def test_the_llama_cpp_row_says_how_to_build_it_and_the_bench_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp, "BINARY", tmp_path / "no-llama-server")
+    settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], clients=[2],
+                                   peers=[bench.LLAMACPP])
+    [row] = bench.run_bench(settings, tmp_path)
+    assert (row["name"], row["status"]) == ("llama.cpp f32", "skipped")
+    assert "make llama-server" in row["first_error"]
+    assert "make llama-server" in "\n".join(bench.notes([row]))
+
+
+def test_peers_and_urls_from_the_command_line():
+    def settings(*argv):
+        return bench.settings_from_args(bench.parser().parse_args(list(argv)))
+    assert settings("--peers").peers == bench.ALL_PEERS
+    assert settings("--peers", "llama-cpp").peers == ["llama-cpp"]
+    assert settings().peers == [] and settings("--chapters", "none").chapters == []
+    s = settings("--url", "http://a:1/", "--url", "http://b:2", "--url-name", "vllm",
+                 "--llamacpp-dtype", "bf16", "--peers", "llama-cpp")
+    names = [e.name for e in bench.plan(s) if e.chapter is None]
+    assert names == ["vllm", "b:2", "llama.cpp bf16"]
+
+
+def test_levers_are_chapter_06_rows_with_their_flags():
+    def settings(*argv):
+        return bench.settings_from_args(bench.parser().parse_args(list(argv)))
+    assert settings("--levers").levers == ["int8", "int4"]
+    s = settings("--chapters", "05", "--levers", "int4", "tp3", "--card", "1.1")
+    levers = [e for e in bench.plan(s) if e.server_flags]
+    assert [(e.name, e.chapter, e.card_gb) for e in levers] == [("06 int4", "06", 1.1),
+                                                                ("06 tp3", "06", 1.1)]
+    args = bench.server_args(s, 1.1) + levers[1].server_flags
+    assert args[-2:] == ["--tensor-parallel-size", "3"]
+
+
+@pytest.mark.skipif(llamacpp.missing() is not None, reason="llama-server is not built "
+                    "(make llama-server)")
+def test_llama_server_runs_the_same_prompts_through_the_gguf_chat_template(tmp_path):
+    """With the binary built: the llama.cpp row is measured, and llama.cpp
+    tokenizes our prompts through the chat template to the very ids our
+    chapters feed their engine."""
+    from common.loader import apply_chat_template, load_model
+    settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], clients=[2],
+                                   max_tokens=4, peers=[bench.LLAMACPP])
+    [row] = bench.run_bench(settings, tmp_path)
+    assert (row["status"], row["completed"], row["output_tokens"]) == ("ok", 2, 8), row
+    assert llamacpp.build_info()["llama_cpp_commit"] in row["note"]
+    tokenizer = load_model("smollm2", dtype="float32", device="cpu").tokenizer
+    with llamacpp.LlamaServer("f32", bench.free_port(), 1, 4, tmp_path / "l.log") as server:
+        for i in range(3):
+            answer = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "messages": prompt_messages(i), "max_tokens": 1, "temperature": 0}).json()
+            ids = apply_chat_template(tokenizer, prompt_messages(i))
+            assert answer["usage"]["prompt_tokens"] == len(ids)

@@ -30,8 +30,11 @@ pytestmark = pytest.mark.slides
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *ROOT.glob("bench/README.md"), *ROOT.glob("0*/README.md"),
                 *ROOT.glob("0*/slides.md"), *ROOT.glob("0*/exercises/*.md")])
-CODE = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and ".git" not in p.parts
-        and p.name != "test_docs.py"]  # this file's strings would vouch for anything
+COURSE_FOLDERS = ["common", "bench", "tests", *sorted(p.name for p in ROOT.glob("0*"))]
+# The course's own code only: not the virtual environments or llama.cpp's sources
+# that `make` puts in hidden folders, nor this file, whose strings would vouch for anything.
+CODE = [p for folder in COURSE_FOLDERS for p in (ROOT / folder).rglob("*.py")
+        if p.name != "test_docs.py"]
 
 # Names quoted on purpose that the course's own code never spells.
 EXTERNAL = {

@@ -12,6 +12,8 @@ class: they never touch the engine's scheduler or blocks.
   that step, and the loop keeps serving.
 - If the loop itself dies, every stream gets `EngineDeadError`, `alive`
   turns false and `died` is set, so a server can answer 503 and exit.
+  A tensor-parallel rank that dies (ch06: `RankDiedError`) kills the loop:
+  the ranks are out of step for good.
 - `num_waiting()` counts the requests that would not run at the next step:
   what a server's backpressure (`--max-waiting`, ch06) needs.
 
@@ -27,6 +29,7 @@ from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine
 from common.engine.output_processor import RequestOutput
+from common.engine.tp_workers import RankDiedError
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
@@ -109,6 +112,11 @@ class AsyncLLMEngine:
         never wrongly refused.)"""
         arrivals = self._num_added - self._num_drained + extra
         return self._left_waiting + max(0, arrivals - self._free_slots)
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (ch06), between steps."""
+        with self._lock:
+            self.engine.close()
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -200,6 +208,8 @@ class AsyncLLMEngine:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
+        except RankDiedError:  # ch06: no step can run any more: the loop dies
+            raise
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed; aborting the requests in flight")
             for request_id in list(self.engine.sequences):

@@ -17,8 +17,14 @@ The components a chapter switches on are arguments: the scheduler's type
 (ch03: one block of `max_model_len` slots per sequence, a contiguous
 region; ch04: small blocks).
 
-Left out: multiple processes (vLLM's v1 runs the engine core in its own
-process and talks to the API server over ZeroMQ), LoRA, multimodal inputs.
+ch06, `--tensor-parallel-size N`: this process is rank 0 (scheduler,
+sampler and output processing run here, once); ranks 1..N-1 run in worker
+processes that it starts (common/engine/tp_workers.py) and stops in
+`close()`. The scheduler sees one cache of `num_blocks` blocks; each rank
+holds its KV heads' part of every block.
+
+Left out: an engine core in its own process (vLLM's v1 runs it apart from
+the API server, over ZeroMQ), LoRA, multimodal inputs.
 The async front that servers use is common/engine/async_llm.py.
 """
 from __future__ import annotations
@@ -37,9 +43,12 @@ from common.engine.model_runner import ModelRunner
 from common.engine.output_processor import OutputProcessor, RequestOutput
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
+from common.engine.tp_workers import RankReport, TPWorkers, start_ranks
+from common.layers.parallel import SINGLE_RANK, check_tensor_parallel
+from common.layers.quantization import quant_ops_for, quantize_model
 from common.layers.sampler import SampledToken
 from common.loader import LoadedModel, load_model
-from common.memory import Card
+from common.memory import Card, format_bytes
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
@@ -93,13 +102,18 @@ class LLMEngine:
                  loaded: LoadedModel | None = None, num_blocks: int | None = None,
                  block_size_is_max_model_len: bool = False,
                  log_interval_s: float = LOG_INTERVAL_S,
-                 block_manager_cls: type[BlockManager] = BlockManager, attention_ops=None):
+                 block_manager_cls: type[BlockManager] = BlockManager, attention_ops=None,
+                 quant_ops=None):
         """`num_blocks`: a fixed cache size (tests) instead of sizing from the card.
         `block_manager_cls`, `attention_ops`: the components, replaceable (the
-        exercises put the learner's in)."""
+        exercises put the learner's in). `quant_ops`: how `--quantization`
+        multiplies (default: `quant_ops_for` the device). With
+        `--quantization`, the model (`loaded`, if given) is quantized in place."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
+        tp_size = config.tensor_parallel_size
+        check_tensor_parallel(self.loaded.model.config, tp_size, config.quantization)  # ch06
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = min(len(self.tokenizer), self.loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len,
@@ -108,13 +122,31 @@ class LLMEngine:
         self.block_size = self.max_model_len if block_size_is_max_model_len else config.block_size
         self.card = Card(self.loaded.device, config.device_memory_gb,
                          config.gpu_memory_utilization)
-        self.card.charge_weights(self.loaded.model)
+        if config.quantization:  # ch06: weight-only int8/int4, swapped in place
+            quantize_model(self.loaded.model, config.quantization,
+                           quant_ops or quant_ops_for(self.loaded.device))
+        self.workers: TPWorkers | None = None
+        self.tp = SINGLE_RANK
+        if tp_size > 1:  # ch06: start ranks 1..N-1; rank 0 keeps its shard of `loaded`
+            self.workers, self.tp = start_ranks(config, self.loaded, self.block_size, num_blocks)
+        self.weight_bytes = self.card.charge_weights(self.loaded.model)
+        log.info("weights: %s (%s)", format_bytes(self.weight_bytes),
+                 config.quantization or str(self.loaded.dtype).removeprefix("torch."))
+        room = num_blocks
         if num_blocks is None:
-            num_blocks, line = num_blocks_for_card(self.card, self.loaded.model,
-                                                   self.block_size, config.max_num_batched_tokens)
+            room, line = num_blocks_for_card(self.card, self.loaded.model, self.block_size,
+                                             config.max_num_batched_tokens, tp_size)
             log.info(line)
+            num_blocks = room
+            if self.workers is not None:  # ch06: the same blocks on every card
+                num_blocks = self.workers.min_num_blocks(self.tp, room)
         self.kv_cache = KVCache(self.card, self.loaded.model.config, num_blocks,
-                                self.block_size, self.loaded.dtype)
+                                self.block_size, self.loaded.dtype, tp_size)
+        if self.workers is not None:  # ch06: per rank weights and blocks, and the total
+            block_bytes = KVCache.bytes_per_block(self.loaded.model.config, self.block_size,
+                                                  self.loaded.dtype, tp_size)
+            log.info(self.workers.wait_ready(
+                RankReport(0, self.weight_bytes, room, num_blocks, block_bytes), self.block_size))
         self.block_manager = block_manager_cls(num_blocks, self.block_size,
                                                config.enable_prefix_caching)  # ch04: blocks
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
@@ -122,9 +154,9 @@ class LLMEngine:
                                        config.max_num_batched_tokens, self.eos_token_ids,
                                        self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids,
-                                  attention_ops)
+                                  attention_ops, self.tp, self.workers)
         if self.loaded.device.type == "cuda" and not config.enforce_eager \
-                and attention_ops is None:  # graphs need the Triton kernels (no host syncs)
+                and attention_ops is None and tp_size == 1:  # graphs need the Triton kernels
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)  # ch05
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
@@ -132,6 +164,11 @@ class LLMEngine:
         self._seed_counter = config.seed
         self.log_interval_s = log_interval_s
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (ch06); nothing to do on one rank."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ------------------------------------------------------------ requests
     @property

@@ -9,10 +9,17 @@ to sample goes through the LM head.
 
 CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 
+ch06, tensor parallelism: the step's inputs are first built as plain lists
+(`StepInputs`), which rank 0 sends to the other ranks
+(common/engine/tp_workers.py); every rank then runs `execute_model` on
+them, and only rank 0 gets logits and samples.
+
 Left out: async scheduling (preparing step n+1 while step n runs), graphs
-of prefill steps.
+of prefill steps, CUDA graphs together with tensor parallelism.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,10 +32,39 @@ from common.layers.sampler import SampledToken, Sampler, SamplingFailed
 from common.models import build_forward
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs, as plain lists (cheap to send to other ranks, ch06)."""
+    input_ids: list[int]  # (num_tokens,)
+    positions: list[int]  # (num_tokens,)
+    slot_mapping: list[int]  # (num_tokens,)
+    query_start_loc: list[int]  # (num_seqs + 1,)
+    context_lens: list[int]  # (num_seqs,)
+    block_tables: list[list[int]]  # (num_seqs, max_blocks), padded with 0
+    num_decodes: int
+    block_size: int
+    sample_rows: list[int]  # rows of the hidden states that go through the LM head
+
+    def to_tensors(self, device: torch.device):
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(self.slot_mapping, torch.long),  # (num_tokens,)
+            query_start_loc=tensor(self.query_start_loc, torch.int32),  # (num_seqs + 1,)
+            context_lens=tensor(self.context_lens, torch.int32),  # (num_seqs,)
+            block_tables=tensor(self.block_tables, torch.int32),  # (num_seqs, max_blocks)
+            num_decodes=self.num_decodes, block_size=self.block_size)
+        return tensor(self.input_ids, torch.long), tensor(self.positions, torch.long), meta
+
+
 class ModelRunner:
     def __init__(self, hf_model, kv_cache: KVCache, eos_token_ids: set[int],
-                 attention_ops=None):
-        self.model = build_forward(hf_model, attention_ops)
+                 attention_ops=None, tp=None, workers=None):
+        """`tp`, `workers` (ch06): this rank's TPGroup, and on rank 0 the
+        other ranks (tp_workers.TPWorkers), which run every step too."""
+        self.model = build_forward(hf_model, attention_ops, tp)
+        self.workers = workers
         self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -38,6 +74,10 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]):
         """The batch's tensors. `batch` must list decodes (1 token) first."""
+        return self.prepare_inputs(batch).to_tensors(self.device)
+
+    def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
+        """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
         input_ids, positions, slots, query_start, context_lens = [], [], [], [0], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -52,18 +92,27 @@ class ModelRunner:
         max_blocks = max(len(item.seq.block_table) for item in batch)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),  # (num_tokens,)
-            query_start_loc=tensor(query_start, torch.int32),  # (num_seqs + 1,)
-            context_lens=tensor(context_lens, torch.int32),  # (num_seqs,)
-            block_tables=tensor(tables, torch.int32),  # (num_seqs, max_blocks)
+        return StepInputs(
+            input_ids, positions, slots, query_start, context_lens, tables,
             num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
-            block_size=self.block_size)
-        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta
+            block_size=self.block_size,
+            sample_rows=[query_start[i + 1] - 1 for i, item in enumerate(batch) if item.samples])
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass and the LM head; every rank runs it (ch06).
+        Returns the logits (num_sampling, vocab), or None where this step
+        samples nothing, and on ranks other than 0."""
+        input_ids, positions, meta = step.to_tensors(self.device)
+        if self.graphs is not None and self.graphs.can_run(len(step.context_lens),
+                                                           step.num_decodes):
+            hidden = self.graphs.run(input_ids, positions, meta)  # ch05: a CUDA graph replay
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
+        if not step.sample_rows:
+            return None
+        last_rows = torch.tensor(step.sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
     def run(self, batch: list[ScheduledSeq]) -> dict[Sequence, SampledToken | SamplingFailed]:
@@ -71,17 +120,14 @@ class ModelRunner:
         samples this step (a prefill chunk that is not the last has none)."""
         # ch05: prefill chunks and decodes share the batch; decodes go first
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
-        input_ids, positions, meta = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(len(batch), meta.num_decodes):
-            hidden = self.graphs.run(input_ids, positions, meta)  # ch05: a CUDA graph replay
+        step = self.prepare_inputs(batch)
+        if self.workers is not None:  # ch06: the other ranks run the same step
+            logits = self.workers.execute(step, self.execute_model)
         else:
-            hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
-        sampling = [i for i, item in enumerate(batch) if item.samples]
-        if not sampling:
+            logits = self.execute_model(step)
+        if logits is None:
             return {}
-        last_rows = meta.query_start_loc[1:].long()[sampling] - 1
-        logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
-        seqs = [batch[i].seq for i in sampling]
+        seqs = [item.seq for item in batch if item.samples]
         sampled = self.sampler(
             logits, [s.params for s in seqs], [s.generator for s in seqs],
             [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],

@@ -49,6 +49,7 @@ from common.entrypoints.chat_server import (
     ChatServing,
     Choice,
     add_engine_routes,
+    build_engine,
     check_model_name,
     close_all,
     engine_error,
@@ -328,7 +329,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
 
 def parser():
-    p = server_parser("Chapter 06: the OpenAI-compatible server (like `vllm serve`)")
+    p = server_parser("Chapter 06: the OpenAI-compatible server (like `vllm serve`)",
+                      enable_prefix_caching=True)  # as chapter 05, and vLLM
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and "
                         "/detokenize (default: open)")
@@ -340,9 +342,10 @@ def parser():
 
 
 def main() -> int:
-    args = parse_server_args(parser())
+    cli = parser()
+    args = parse_server_args(cli)
     config = config_from_args(args)
-    engine = AsyncLLMEngine.build(lambda: LLMEngine(config, scheduler_cls=ContinuousScheduler))
+    engine = build_engine(cli, lambda: LLMEngine(config, scheduler_cls=ContinuousScheduler))
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)

@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from common import __version__
-from common.config import add_engine_args, config_from_args, resolve_model_flags
+from common.config import ConfigError, add_engine_args, config_from_args, resolve_model_flags
 from common.engine.async_llm import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -434,12 +434,13 @@ def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
 
 
 # ------------------------------------------------------- command line
-def server_parser(description: str) -> argparse.ArgumentParser:
+def server_parser(description: str, enable_prefix_caching: bool = False
+                  ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    add_engine_args(parser)
+    add_engine_args(parser, enable_prefix_caching)
     return parser
 
 
@@ -448,6 +449,16 @@ def parse_server_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     resolve_model_flags(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return args
+
+
+def build_engine(parser: argparse.ArgumentParser,
+                 factory: Callable[[], LLMEngine]) -> AsyncLLMEngine:
+    """`AsyncLLMEngine.build`, where flags that do not fit the model
+    (`--tensor-parallel-size 2` for 9 heads, ch06) exit as a usage error."""
+    try:
+        return AsyncLLMEngine.build(factory)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None,
@@ -472,18 +483,22 @@ def exit_code(engine: AsyncLLMEngine | None) -> int:
 
 def serve(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None) -> int:
     make_server(app, host, port, engine).run()
+    if engine is not None:
+        engine.close()  # ch06: stop the tensor-parallel workers, if any
     return exit_code(engine)
 
 
 def main(title: str, scheduler_cls: type[Scheduler], contiguous: bool = False,
-         max_num_seqs: int | None = None) -> int:
+         max_num_seqs: int | None = None, enable_prefix_caching: bool = False) -> int:
     """Chapters 03-05: parse the flags, build the engine with the chapter's
-    components, serve chat completions."""
-    args = parse_server_args(server_parser(title))
+    components, serve chat completions. `enable_prefix_caching`: the
+    default of `--enable-prefix-caching` (`--no-enable-prefix-caching`)."""
+    parser = server_parser(title, enable_prefix_caching)
+    args = parse_server_args(parser)
     config = config_from_args(args)
     if max_num_seqs is not None:
         config.max_num_seqs = max_num_seqs
-    engine = AsyncLLMEngine.build(lambda: LLMEngine(
+    engine = build_engine(parser, lambda: LLMEngine(
         config, scheduler_cls=scheduler_cls, block_size_is_max_model_len=contiguous))
     app = new_app(title, __version__)
     add_engine_routes(app, ChatServing(engine, config.model_name))

@@ -3,14 +3,24 @@ from __future__ import annotations
 
 import torch
 
+# The model types that LlamaForward runs (and that --quantization and
+# --tensor-parallel-size cover, ch06).
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 
-def build_forward(hf_model, attention_ops=None):
+
+def build_forward(hf_model, attention_ops=None, tp=None):
     """The forward pass for this HF model's family. `attention_ops`: see
-    common.layers.attention.paged_attention (default: picked for the device)."""
+    common.layers.attention.paged_attention (default: picked for the device).
+    `tp` (ch06): this rank's `TPGroup` when the model is split over ranks
+    (Llama family only; common/layers/parallel.py)."""
     model_type = hf_model.config.model_type
-    if model_type in ("llama", "qwen2", "mistral"):
+    if model_type in LLAMA_FAMILY:
         from common.models.llama import LlamaForward
+        if tp is not None:
+            return LlamaForward(hf_model, attention_ops, tp)  # ch06
         return LlamaForward(hf_model, attention_ops)
+    if tp is not None and tp.is_parallel:
+        raise NotImplementedError("tensor parallelism covers the Llama family")
     if model_type == "gpt2":
         from common.models.gpt2 import GPT2Forward
         return GPT2Forward(hf_model, attention_ops)

@@ -10,8 +10,14 @@ The weights are the HF model's own tensors (no copy). The input is a flat
 batch of tokens from any number of sequences, prefill or decode alike:
 `input_ids` and `positions` of shape (num_tokens,), plus AttentionMetadata.
 
+Tensor parallelism (ch06, common/layers/parallel.py): given a `TPGroup` of
+N ranks, the weights are this rank's shard, so each rank runs num_heads/N
+query heads and num_kv_heads/N KV heads, 1/N of the MLP and of the
+vocabulary; o_proj, down_proj and the embedding end with an all-reduce, the
+LM head with a gather on rank 0. With one rank nothing of that runs.
+
 Left out: Mistral's sliding window (attention sees the whole context),
-fused QKV/gate-up matmuls, tensor parallelism.
+fused QKV/gate-up matmuls.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from common.layers.attention import (
     attention_ops_for,
     paged_attention,
 )
+from common.layers.parallel import SINGLE_RANK, TPGroup, vocab_parallel_embedding
 from common.models import lm_head
 
 
@@ -38,18 +45,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)  # bias: Qwen2's q/k/v only
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """nn.Linear (bias: Qwen2's q/k/v only), or a QuantLinear (ch06:
+    common/layers/quantization.py) that multiplies by its quantized weight."""
+    if isinstance(layer, torch.nn.Linear):
+        return F.linear(x, layer.weight, layer.bias)
+    return layer(x)  # ch06: --quantization
 
 
 class LlamaForward:
-    def __init__(self, hf_model, attention_ops=None):
+    def __init__(self, hf_model, attention_ops=None, tp: TPGroup = SINGLE_RANK):
         cfg = hf_model.config
         self.hf = hf_model
         self.attention_ops = attention_ops or attention_ops_for(hf_model.device)
         self.layers = hf_model.model.layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.vocab_size = cfg.vocab_size
+        self.num_heads = cfg.num_attention_heads // tp.world_size  # ch06: this rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // tp.world_size  # ch06
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
@@ -77,18 +90,26 @@ class LlamaForward:
         k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                               self.attention_ops)  # (T, H, D)
-        return linear(out.reshape(num_tokens, -1), attn.o_proj)
+        out = linear(out.reshape(num_tokens, -1), attn.o_proj)  # (T, hidden)
+        return self.tp.all_reduce(out)  # ch06: sum the ranks' partial outputs
 
     def mlp(self, layer, x):
         mlp = layer.mlp
-        return linear(self.act(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        out = linear(self.act(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        return self.tp.all_reduce(out)  # ch06: (T, hidden), summed over the ranks
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.hf.model.embed_tokens.weight
+        if self.tp.is_parallel:  # ch06: this rank's vocabulary range, all-reduced
+            return vocab_parallel_embedding(input_ids, weight, self.tp)
+        return weight[input_ids]  # (T, hidden)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (num_tokens,). Returns hidden states (num_tokens, hidden)."""
-        h = self.hf.model.embed_tokens.weight[input_ids]  # (T, hidden)
+        h = self.embed(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = h + self.attention(layer, rms_norm(h, layer.input_layernorm.weight, self.eps),
@@ -97,7 +118,10 @@ class LlamaForward:
         return rms_norm(h, self.hf.model.norm.weight, self.eps)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: (N, hidden) -> (N, vocab). The head may be tied to the embedding.
-        N is the number of sequences that sample this step, not of tokens."""
-        return lm_head(hidden, self.hf.lm_head.weight)
+        N is the number of sequences that sample this step, not of tokens.
+        ch06: with N ranks each computes (N, vocab/N); rank 0 gets them all,
+        the other ranks get None."""
+        logits = lm_head(hidden, self.hf.lm_head.weight)
+        return self.tp.gather_vocab(logits, self.vocab_size)  # ch06 (a no-op on one rank)

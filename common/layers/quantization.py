@@ -1,0 +1,217 @@
+"""Weight-only quantization of the linear layers (ch06: `--quantization`).
+
+A decode step reads every weight once to produce one token per sequence, so
+its speed on a GPU is set by the bytes of the weights, and the bytes the
+weights take on the card are bytes the KV cache cannot have. Quantization
+stores each weight as a small integer and a few float scales:
+
+- `int8`: symmetric, one scale per output channel (row `n` of the weight):
+  `w[n, k] ~= q[n, k] * scale[n]`, q in [-127, 127]. 1 byte per weight.
+- `int4`: asymmetric, one scale and one offset per *group* of 32 input
+  channels: `w[n, k] ~= q[n, k] * scale[n, g] + min[n, g]`, g = k // 32, q in
+  [0, 15], two values per byte, float16 scale and offset. 5 bits per weight.
+  These are the group-wise scales and offsets of AWQ and GPTQ checkpoints,
+  with the offset kept as a float, as in GGUF's Q4_1: the embedded model's
+  linear weights *are* Q4_1 blocks of 32, so rounding them back to the
+  nearest grid point gives exactly the values the publisher shipped.
+
+Activations stay in the model's dtype; only the weights are small. Three
+implementations, one interface (`QuantOps.quantize` stores a weight,
+`QuantOps.linear` multiplies by it), as for attention:
+
+1. `ReferenceQuantOps`: dequantize to the activations' dtype, then
+   `F.linear`. Readable, and the definition the others are tested against.
+2. `CpuPackedQuantOps`: PyTorch's packed CPU kernels
+   (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, the
+   ones torchao uses). Their fast path takes bfloat16 activations, so a
+   float32 model's activations are rounded to bfloat16 for these matmuls
+   (measured, with its quality cost, in bench/levers.py).
+3. `common.layers.quant_kernels`: Triton kernels for CUDA that dequantize
+   tiles of the weight in registers (tested on the CPU under the interpreter).
+
+`quantize_model` swaps the q/k/v/o and gate/up/down projections of each
+decoder layer for `QuantLinear` modules, in place. The card then books the
+weights at their real size (`Card.charge_weights` counts buffers too).
+
+Left out: activation quantization (W8A8, FP8), AWQ's activation-aware scale
+search and GPTQ's error correction (we round to the nearest grid point),
+loading pre-quantized checkpoints, quantized embeddings and LM head (they
+are tied in SmolLM2 and stay float), a quantized KV cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ConfigError
+from common.models import LLAMA_FAMILY
+
+GROUP_SIZE = 32  # input channels per int4 group (GGUF Q4_1's block)
+SCHEMES = ("int8", "int4")
+# The projections of a Llama decoder layer, quantized in place.
+LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+# ---------------------------------------------------------------- rounding
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: (N, K) -> q (N, K) int8, scales (N,) float32."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight: (N, K) -> q (N, K) uint8 in 0..15, scales and mins (N, K // group_size)
+    float16. Each group's smallest weight maps to 0, its largest to 15."""
+    num_out, num_in = weight.shape
+    if num_in % group_size:
+        raise ValueError(f"int4 needs in_features divisible by {group_size}, got {num_in}")
+    groups = weight.float().view(num_out, num_in // group_size, group_size)
+    mins = groups.amin(dim=-1).half()  # (N, G), rounded as they are stored
+    scales = ((groups.amax(dim=-1) - mins.float()) / 15).clamp(min=1e-7).half()
+    q = torch.round((groups - mins.float()[..., None]) / scales.float()[..., None])
+    return q.clamp(0, 15).to(torch.uint8).view(num_out, num_in), scales, mins
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: (N, K) uint8 values 0..15 -> (N, K // 2) uint8, two per byte:
+    byte j holds k = 2j in its low 4 bits and k = 2j + 1 in its high 4 bits."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K // 2) uint8 -> (N, K) uint8 values 0..15 (inverse of pack_int4)."""
+    low, high = packed & 0xF, packed >> 4  # (N, K // 2) each
+    return torch.stack((low, high), dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8, (N,) -> (N, K) float32."""
+    return qweight.float() * scales.float()[:, None]
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                    group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """(N, K // 2) packed, (N, G), (N, G) -> (N, K) float32: q * scale + min."""
+    num_out, half = qweight.shape
+    # byte j holds k = 2j and 2j + 1, both in group (2j) // group_size
+    scale = scales.float().repeat_interleave(group_size // 2, dim=1)  # (N, K // 2)
+    offset = mins.float().repeat_interleave(group_size // 2, dim=1)
+    w = torch.empty(num_out, 2 * half)
+    w[:, 0::2] = (qweight & 0xF).float() * scale + offset  # even k: low 4 bits
+    w[:, 1::2] = (qweight >> 4).float() * scale + offset  # odd k: high 4 bits
+    return w
+
+
+# --------------------------------------------------------------- the ops
+class ReferenceQuantOps:
+    """Dequantize, then an ordinary matmul in the activations' dtype."""
+    name = "reference (dequantize + F.linear)"
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
+        """The tensors a QuantLinear keeps for `weight` (N, K)."""
+        if scheme == "int8":
+            qweight, scales = quantize_int8(weight)
+            return {"qweight": qweight, "scales": scales}
+        q, scales, mins = quantize_int4(weight)
+        return {"qweight": pack_int4(q), "scales": scales, "mins": mins}
+
+    @staticmethod
+    def linear(x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        """x: (M, K) -> (M, N)."""
+        if layer.scheme == "int8":
+            w = dequantize_int8(layer.qweight, layer.scales)
+        else:
+            w = dequantize_int4(layer.qweight, layer.scales, layer.mins)
+        return F.linear(x, w.to(x.dtype), layer.bias)
+
+
+class CpuPackedQuantOps:
+    """PyTorch's packed int8/int4 CPU matmuls, bfloat16 activations."""
+    name = "cpu packed (torch int8/int4 kernels, bfloat16 activations)"
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
+        if scheme == "int8":
+            qweight, scales = quantize_int8(weight)
+            return {"qweight": qweight, "scales": scales.bfloat16()}
+        q, scales, mins = quantize_int4(weight)
+        # torch's int4 layout: its own packing, and per group (scale, zero)
+        # with w = (q - 8) * scale + zero, so zero = min + 8 * scale.
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        scales32, mins32 = scales.float(), mins.float()
+        scales_and_zeros = torch.stack((scales32.T, (mins32 + 8 * scales32).T), dim=-1)
+        return {"qweight": packed,  # (N, K // 2) uint8
+                "scales_and_zeros": scales_and_zeros.contiguous().bfloat16()}  # (G, N, 2)
+
+    @staticmethod
+    def linear(x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if layer.scheme == "int8":
+            out = torch._weight_int8pack_mm(xb, layer.qweight, layer.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(xb, layer.qweight, GROUP_SIZE,
+                                                    layer.scales_and_zeros)
+        out = out.to(x.dtype)
+        return out if layer.bias is None else out + layer.bias
+
+
+def quant_ops_for(device: torch.device):
+    """Triton kernels on CUDA, PyTorch's packed kernels on the CPU."""
+    if device.type == "cuda":
+        from common.layers import quant_kernels  # the same two calls, in Triton
+        return quant_kernels.TritonQuantOps
+    return CpuPackedQuantOps
+
+
+# ------------------------------------------------------------ the module
+class QuantLinear(nn.Module):
+    """A drop-in for nn.Linear whose weight is stored quantized (buffers)."""
+
+    def __init__(self, linear: nn.Linear, scheme: str, ops):
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {scheme!r}: choose from {SCHEMES}")
+        self.scheme, self.ops = scheme, ops
+        self.out_features, self.in_features = linear.weight.shape
+        with torch.no_grad():
+            for name, tensor in ops.quantize(linear.weight.data, scheme).items():
+                self.register_buffer(name, tensor.to(linear.weight.device))
+        self.bias = linear.bias  # Qwen2's q/k/v biases stay float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., K) -> (..., N), like nn.Linear."""
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        return self.ops.linear(flat, self).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.scheme}, {self.ops.name}"
+
+
+def check_quantization(config, scheme: str | None) -> None:
+    """Refuse, with a clear message, a model the course cannot quantize."""
+    if scheme is None:
+        return
+    if config.model_type not in LLAMA_FAMILY:
+        raise ConfigError(f"--quantization {scheme} covers the Llama family "
+                         f"({', '.join(LLAMA_FAMILY)}), not model_type={config.model_type!r}")
+
+
+def quantize_model(hf_model: nn.Module, scheme: str, ops) -> int:
+    """Swap each decoder layer's projections for QuantLinear, in place.
+    Returns the number of layers swapped."""
+    check_quantization(hf_model.config, scheme)
+    swapped = 0
+    for layer in hf_model.model.layers:
+        for path in LLAMA_LINEARS:
+            parent_path, name = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            setattr(parent, name, QuantLinear(getattr(parent, name), scheme, ops))
+            swapped += 1
+    return swapped
+

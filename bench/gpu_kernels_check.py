@@ -10,7 +10,10 @@ it builds a paged cache with shuffled blocks and runs `store_kvcache`,
 common/layers/triton_kernels.py and from common/layers/attention.py. Both are held to a
 float32 run of the reference on the same numbers; then both are timed with
 CUDA events and the table shows the reference's time over Triton's.
-A short float32 pass checks the exact (non-TF32) path too.
+A short float32 pass checks the exact (non-TF32) path too. Then the same
+for the quantized matmuls of chapter 06 (`--quantization int8 | int4`,
+common/layers/quant_kernels.py against the dequantize-then-matmul reference),
+at one row (a decode step) and 64 rows, errors relative to the largest output.
 
 Exits 1 if any comparison fails or raises, 0 otherwise. On a machine without
 CUDA it prints "no CUDA device, nothing to check" and exits 0.
@@ -170,6 +173,28 @@ def finish(op: str, shape: Shape, out, out_torch, truth, tol, timing, run_triton
     return Row(op, shape.name, triton_err, torch_err, triton_ms, torch_ms, ok)
 
 
+QUANT_SHAPES = [(1, 2048, 8192), (64, 2048, 8192)]  # (rows of x, in, out): decode, batch
+
+
+def check_quantized(scheme: str, shape: tuple[int, int, int], args, dtype, tol, timing) -> Row:
+    """ch06: the int8 / int4 Triton matmuls against the reference (dequantize
+    + F.linear), errors relative to the largest output of a float32 run."""
+    from common.layers import quant_kernels, quantization
+    rows, in_features, out_features = shape
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.02, generator=args.gen)
+    layer = quantization.QuantLinear(linear.to(DEVICE), scheme, quant_kernels.TritonQuantOps)
+    x = torch.randn(rows, in_features, generator=args.gen).to(DEVICE, dtype)
+    ref = quantization.ReferenceQuantOps
+    out, out_torch = layer(x), ref.linear(x, layer)
+    truth = ref.linear(x.float(), layer)
+    norm = truth.abs().max().item()
+    row = finish(f"{scheme} mm", Shape(f"M={rows} {in_features}x{out_features}", 0, 0, 0),
+                 out / norm, out_torch / norm, truth / norm, tol, timing,
+                 lambda: layer(x), lambda: ref.linear(x, layer))
+    return row
+
+
 def print_table(title: str, rows: list[Row]) -> None:
     print(f"\n{title}")
     header = (f"{'op':8} {'shape':14} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} "
@@ -198,6 +223,15 @@ def run_all(kernels, reference, args, dtype: torch.dtype, tol: float, timing) ->
                 rows.append(Row(check.__name__[6:], shape.name, float("nan"), float("nan"),
                                 None, None, False))
             torch.cuda.empty_cache()
+    for scheme in ("int8", "int4"):
+        for shape in QUANT_SHAPES:
+            try:
+                rows.append(check_quantized(scheme, shape, args, dtype, tol, timing))
+            except Exception:  # report it and go on
+                print(f"\n{scheme} mm {shape} {str(dtype)[6:]}: raised")
+                traceback.print_exc()
+                rows.append(Row(f"{scheme} mm", str(shape), float("nan"), float("nan"),
+                                None, None, False))
     return rows
 
 

@@ -49,7 +49,7 @@ from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers.quantization import ReferenceQuantOps
-from common.loader import apply_chat_template, load_model
+from common.loader import apply_chat_template, load_model, model_dtype, pick_dtype
 from common.memory import MiB
 from common.sampling_params import SamplingParams
 
@@ -171,7 +171,8 @@ def markdown(rec: dict) -> str:
              f"Command: `{rec['command']}`. Embedded SmolLM2-135M-Instruct, card "
              f"{s['card_gb']} GiB (simulated), {s['clients']} requests at once x "
              f"{s['max_tokens']} greedy tokens (EOS ignored), in-process engine. "
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}.", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+             f"`--dtype auto` picks {rec['dtype_auto']} here.", "",
              "| lever | weights MiB (per rank) | KV blocks (x float32) | sequences that fit "
              "| output tok/s (x float32) | tokens as float32 | completions as float32 "
              "| perplexity |",
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     rec = {"date": when.isoformat(timespec="seconds"),
            "command": " ".join(["python -m bench.levers", *(argv if argv is not None
                                                               else sys.argv[1:])]),
-           "settings": vars(load), "machine": machine(), "rows": rows}
+           "settings": vars(load), "machine": machine(), "rows": rows,
+           "dtype_auto": str(pick_dtype("auto", torch.device("cpu"),
+                                        model_dtype("smollm2"))).removeprefix("torch.")}
     stem = f"{when:%Y-%m-%d}-{socket.gethostname() or platform.node()}-levers"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(rec, indent=1))

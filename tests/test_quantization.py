@@ -20,7 +20,7 @@ from common.engine.llm_engine import LLMEngine
 from common.layers import quantization as quant
 from common.loader import apply_chat_template, load_model
 from common.memory import Card, weight_bytes
-from tests.conftest import PROMPTS, hf_greedy
+from tests.conftest import PROMPTS, ROOT, hf_greedy
 from tests.engine_helpers import greedy, run_all
 from tests.test_triton_kernels import ON_CUDA, use_triton_interpreter
 
@@ -166,3 +166,44 @@ def test_the_startup_log_names_the_weights(caplog, fresh_embedded):
     assert any(line.startswith("weights: ") and "(int4)" in line for line in lines), lines
     assert any(line.startswith("KV cache: ") and "blocks of 16 tokens" in line for line in lines)
 
+
+
+# ------------------------------------------- --dtype auto, prefix caching
+@pytest.mark.parametrize("native, model_dtype, expected", [
+    (True, torch.bfloat16, torch.bfloat16),  # AMX / AVX512-BF16: the model's own
+    (False, torch.bfloat16, torch.float32),  # emulated bfloat16 would be slower
+    (True, torch.float32, torch.float32),  # a float32 model stays float32
+    (True, None, torch.bfloat16),  # a config without a dtype counts as bfloat16
+    (True, torch.float16, torch.bfloat16),  # CPUs have no fast float16 matmuls
+])
+def test_dtype_auto_follows_the_model_where_the_cpu_computes_it(monkeypatch, native,
+                                                                  model_dtype, expected):
+    from common import loader
+    monkeypatch.setattr(loader, "cpu_computes_bfloat16", lambda: native)
+    assert loader.pick_dtype("auto", torch.device("cpu"), model_dtype) == expected
+    assert loader.pick_dtype("float32", torch.device("cpu"), torch.bfloat16) == torch.float32
+
+
+def test_the_embedded_model_is_bfloat16_by_its_config():
+    from common.loader import model_dtype
+    assert model_dtype("smollm2") == torch.bfloat16
+    assert model_dtype("tiny-llama", "dummy") is None
+
+
+@pytest.mark.parametrize("chapter_default, argv, expected", [
+    (False, [], False),  # chapter 04 teaches it: explicit
+    (False, ["--enable-prefix-caching"], True),
+    (True, [], True),  # chapters 05 and 06, as vLLM's engine
+    (True, ["--no-enable-prefix-caching"], False),
+])
+def test_prefix_caching_defaults_per_chapter(chapter_default, argv, expected):
+    from common.entrypoints.chat_server import server_parser
+    args = server_parser("test", enable_prefix_caching=chapter_default).parse_args(argv)
+    assert args.enable_prefix_caching is expected
+
+
+def test_chapters_05_and_06_turn_prefix_caching_on():
+    from common.entrypoints.api_server import parser
+    assert parser().parse_args([]).enable_prefix_caching is True
+    source = (ROOT / "05-continuous-batching" / "server.py").read_text()
+    assert "enable_prefix_caching=True" in source

@@ -43,13 +43,20 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from bench.bench import machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers.quantization import ReferenceQuantOps
-from common.loader import apply_chat_template, load_model, model_dtype, pick_dtype
+from common.loader import (
+    apply_chat_template,
+    convert_embedded_model,
+    load_model,
+    model_dtype,
+    pick_dtype,
+)
 from common.memory import MiB
 from common.sampling_params import SamplingParams
 
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     load = Load(args.clients, args.max_tokens, args.card_gb)
     torch.manual_seed(0)
-    tokenizer = load_model("smollm2", "float32", "cpu").tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(convert_embedded_model())  # no model needed
     prompts = [apply_chat_template(tokenizer, prompt_messages(i)) for i in range(load.clients)]
     rows = []
     for lever in args.levers:

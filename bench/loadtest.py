@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -232,19 +233,21 @@ def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: 
 # ------------------------------------------------- starting a chapter server
 class ServerProcess:
     """Start a server command on a port, wait until its /health answers 200,
-    stop it. `name` says which server in the errors."""
+    stop it. `name` says which server in the errors. The server runs in a
+    process group of its own, stopped whole: a server that spawns workers
+    (the real vLLM's engine core, tensor-parallel ranks) leaves none behind."""
 
     def __init__(self, name: str, command: list[str], port: int, log_path: Path,
-                 startup_timeout: float = 300.0):
+                 startup_timeout: float = 300.0, env: dict[str, str] | None = None):
         self.name = name
         if not port_is_free(port):  # else /health would answer for another server
             raise RuntimeError(f"port {port} is already in use: give another --port")
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**(env or os.environ), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, cwd=ROOT, start_new_session=True)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -270,6 +273,8 @@ class ServerProcess:
         return self.process.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM to the server (it stops its own workers), then SIGKILL to
+        whatever is left of its process group."""
         if self.alive():
             self.process.terminate()
             try:
@@ -277,6 +282,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
         self._log.close()
 
     def __enter__(self):

@@ -79,15 +79,20 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def cpu_computes_bfloat16() -> bool:
-    """Does this CPU multiply bfloat16 natively (x86 AMX or AVX512-BF16, Arm's
-    BF16 extension)? Without it PyTorch emulates bfloat16, slower than float32."""
+def cpu_bf16_flags() -> list[str]:
+    """This CPU's bfloat16 features (x86 AMX or AVX512-BF16, Arm's BF16
+    extension), as /proc/cpuinfo names them; none where it cannot tell."""
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: say no, float32 is always right
-        return False
-    flags = set(cpuinfo.split())
-    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: say none, float32 is always right
+        return []
+    return sorted(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Does this CPU multiply bfloat16 natively? Without it PyTorch emulates
+    bfloat16, slower than float32."""
+    return bool(cpu_bf16_flags())
 
 
 def computes_natively(dtype: torch.dtype, device: torch.device) -> bool:

@@ -217,19 +217,23 @@ class OpenAIServing(ChatServing):
                           choices: list[Choice]) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        def chunk(choices: list[ChunkChoice], usage: Usage | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created,
-                                           model=self.model_name, choices=choices, usage=usage))
+                                           model=self.model_name, choices=choices, usage=usage,
+                                           prompt_token_ids=prompt_token_ids))
 
         for i in range(len(choices)):
-            yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+            yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})],
+                        prompt_token_ids=prompts[0] if req.return_token_ids and i == 0 else None)
         completion_tokens = 0
         async for i, out in merge_choices(choices):  # each output is a delta
             new_logprobs = out.logprobs if req.logprobs else []
-            if out.text or new_logprobs:
+            if out.text or new_logprobs or (req.return_token_ids and out.token_ids):
                 yield chunk([ChunkChoice(
                     index=i, delta={"content": out.text},
-                    logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None)])
+                    logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None,
+                    token_ids=out.token_ids if req.return_token_ids else None)])
             if out.finished:
                 completion_tokens += out.num_output_tokens
                 yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)])
@@ -248,15 +252,19 @@ class OpenAIServing(ChatServing):
         answers = await self.answers(request, choices)
         return CompletionResponse(
             id=request_id, created=int(time.time()), model=self.model_name,
-            choices=[self.completion_choice(i, a, req) for i, a in enumerate(answers)],
+            choices=[self.completion_choice(i, a, req, prompts[i // req.n])  # as start()
+                     for i, a in enumerate(answers)],
             usage=usage(prompts, sum(a.num_tokens for a in answers)))
 
-    def completion_choice(self, index: int, answer: Answer,
-                          req: CompletionRequest) -> CompletionChoice:
+    def completion_choice(self, index: int, answer: Answer, req: CompletionRequest,
+                          prompt: list[int]) -> CompletionChoice:
         logprobs = (None if req.logprobs is None
                     else self.completion_logprobs(answer.logprobs, 0))
+        ids = req.return_token_ids
         return CompletionChoice(index=index, text="".join(answer.text), logprobs=logprobs,
-                                finish_reason=answer.finish_reason)
+                                finish_reason=answer.finish_reason,
+                                token_ids=answer.token_ids if ids else None,
+                                prompt_token_ids=prompt if ids else None)
 
     async def completion_chunks(self, request_id: str, prompts: list[list[int]],
                                 req: CompletionRequest,
@@ -269,13 +277,19 @@ class OpenAIServing(ChatServing):
 
         completion_tokens = 0
         sent_chars = [0] * len(choices)  # text already sent, per choice (text_offset)
+        first = [True] * len(choices)  # prompt_token_ids go in each choice's first chunk
+        ids = req.return_token_ids
         async for i, out in merge_choices(choices):  # each output is a delta
             new_logprobs = out.logprobs if req.logprobs is not None else []
-            if out.text or new_logprobs or out.finished:
+            if out.text or new_logprobs or out.finished or (ids and out.token_ids):
                 logprobs = (self.completion_logprobs(new_logprobs, sent_chars[i])
                             if req.logprobs is not None else None)
+                prompt = prompts[i // req.n] if ids and first[i] else None  # as start()
+                first[i] = False
                 yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason)])
+                                              finish_reason=out.finish_reason,
+                                              token_ids=out.token_ids if ids else None,
+                                              prompt_token_ids=prompt)])
             sent_chars[i] += len(out.text)
             if out.finished:
                 completion_tokens += out.num_output_tokens

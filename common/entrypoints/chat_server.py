@@ -143,7 +143,7 @@ GenerateFn = Callable[[list[int], ChatCompletionRequest, int, "int | None"], Com
 # refused with a 400 when a request sets them, never silently ignored.
 ENGINE_ONLY_FIELDS = ("top_p", "stop", "presence_penalty", "frequency_penalty",
                       "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens",
-                      "stop_token_ids", "logprobs")
+                      "stop_token_ids", "logprobs", "return_token_ids")
 
 
 def refuse_unimplemented(req: ChatCompletionRequest, implemented: set[str]) -> None:
@@ -278,12 +278,14 @@ class Answer:
     final output)."""
     text: list[str] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput) -> None:
         self.text.append(output.text)
         self.logprobs += output.logprobs
+        self.token_ids += output.token_ids
         self.num_tokens = output.num_output_tokens
         self.finish_reason = output.finish_reason
 
@@ -401,9 +403,11 @@ class ChatServing:
             id=request_id, created=int(time.time()), model=self.model_name,
             choices=[ChatChoice(index=i, message=ResponseMessage(content="".join(a.text)),
                                 finish_reason=a.finish_reason,
-                                logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None)
+                                logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None,
+                                token_ids=a.token_ids if req.return_token_ids else None)
                      for i, a in enumerate(answers)],
-            usage=usage([prompt], sum(a.num_tokens for a in answers)))
+            usage=usage([prompt], sum(a.num_tokens for a in answers)),
+            prompt_token_ids=prompt if req.return_token_ids else None)
 
     def stream_chat(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
                     choices: list[Choice]):

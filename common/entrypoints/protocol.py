@@ -41,6 +41,8 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from common import __version__
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("llm-course")
@@ -123,6 +125,7 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
 
     @field_validator("stream_options")
     @classmethod
@@ -266,6 +269,10 @@ class CompletionRequest(SamplingFields):
 
 
 # --------------------------------------------------------------- responses
+# OpenAI's (and vLLM's) name for the build that answered: which server, which version.
+SYSTEM_FINGERPRINT = f"llm-course-{__version__}"
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -296,6 +303,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     finish_reason: Literal["stop", "length"]
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -305,6 +313,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 # ch06: streaming chunks and text completions.
@@ -313,6 +323,7 @@ class ChunkChoice(BaseModel):
     delta: dict[str, str]  # {"role": "assistant", "content": ""}, {"content": "..."} or {}
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None  # this chunk's, with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -322,6 +333,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+    prompt_token_ids: list[int] | None = None  # in the first chunk, with return_token_ids
 
 
 class CompletionLogprobs(BaseModel):
@@ -336,6 +349,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids (a chunk's in a stream)
+    prompt_token_ids: list[int] | None = None  # (a stream: in each choice's first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -346,6 +361,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

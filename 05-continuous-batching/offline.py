@@ -30,12 +30,15 @@ TEXTS = [
 ]
 
 
+def conversations() -> list[list[dict]]:
+    """One chat per text (bench/vllm_steps.py gives the real vLLM these same ones)."""
+    return [[{"role": "user", "content": f"Summarize in one sentence: {t}"}] for t in TEXTS]
+
+
 def main() -> None:
     llm = LLM(model="smollm2", max_num_seqs=16)
-    conversations = [[{"role": "user", "content": f"Summarize in one sentence: {t}"}]
-                     for t in TEXTS]
     start = time.perf_counter()
-    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=48))
+    outputs = llm.chat(conversations(), SamplingParams(temperature=0, max_tokens=48))
     elapsed = time.perf_counter() - start
     for text, output in zip(TEXTS, outputs):
         print(f"- {text[:60]}...\n  -> {output.outputs[0].text.strip()}\n")

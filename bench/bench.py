@@ -40,11 +40,13 @@ preemptions. TTFT, TPOT and ITL need streaming: only chapter 06 streams
 (and `hf-generate-batch` timestamps its tokens), and so do the servers
 that are not ours, where they can (`--no-stream`: whole answers).
 
-Outputs: `bench/results/<date>-<host>[-preset].json` (the machine, the
-settings, one row per system and load with every figure), the markdown
-table beside it (`.md`, also printed) and a figure under `bench/`
-(`chapters.png`, `sweep.png` for the sweep, `chapters-gpu.png`; the quick
-presets write `*-quick.png`, so the README's figures stay the full runs').
+Outputs: `bench/results/<date>-<host>[-preset][-label].json` (the machine,
+its bf16 support, the settings, one row per system and load with every
+figure), the markdown table beside it (`.md`, also printed) and a figure
+under `bench/` (`chapters.png`, `sweep.png` for the sweep,
+`chapters-gpu.png`; the quick presets write `*-quick.png`, so the README's
+figures stay the full runs'). A run of some chapters or some peers only
+has a label that says which (`-ch02-05-06-vllm`), in both names.
 
 Left out: repeated runs and error bars (one run per row, on a shared
 machine throughput varies run to run), open-loop arrival rates, prompt
@@ -124,6 +126,7 @@ class Settings:
     stream_external: bool = True  # URL, vLLM and llama.cpp rows stream where they can
     vllm_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     vllm_kv_gb: int = vllm_peer.DEFAULT_KV_GB  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    vllm_reserved_cpus: int = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's own default: 1)
     model: str = "smollm2"
     load_format: str = "auto"
     dtype: str = "float32"
@@ -242,7 +245,8 @@ def plan(s: Settings) -> list[Entry]:
     entries += url_entries(s)
     load = {"clients": s.clients, "requests": s.requests, "max_tokens": s.max_tokens}
     if VLLM in s.peers:
-        entries += [Entry(f"vLLM {vllm_peer.VLLM_CPU} {dtype}", peer=VLLM, dtype=dtype,
+        cores = f", {s.vllm_reserved_cpus} core(s) kept" if s.vllm_reserved_cpus else ""
+        entries += [Entry(f"vLLM {vllm_peer.VLLM_CPU} {dtype}{cores}", peer=VLLM, dtype=dtype,
                           stream=s.stream_external, **load) for dtype in s.vllm_dtypes]
     if LLAMACPP in s.peers:
         entries.append(Entry(f"llama.cpp {s.llamacpp_dtype}", peer=LLAMACPP,
@@ -289,10 +293,12 @@ def row_from_summary(entry: Entry, clients: int, summary: dict,
 
 def add_ratios(rows: list[dict]) -> None:
     """x_ch02: output tokens/s over chapter 02's at the same number of clients
-    (on the roomy card where there is one, since it fails on the demo card)."""
+    (on the roomy card where there is one, since it fails on the demo card).
+    A chapter 02 row with failures is no baseline: then there is no ratio."""
     for row in rows:
+        row["x_ch02"] = None
         refs = [r for r in rows if r["system"] == CHAPTERS["02"] and r["clients"] == row["clients"]
-                and r["output_tokens_per_s"] and r["completed"]]
+                and r["output_tokens_per_s"] and r["completed"] and not r["failed"]]
         refs.sort(key=lambda r: r["name"] != "02 (roomy)")
         if refs and row["output_tokens_per_s"] is not None:
             row["x_ch02"] = row["output_tokens_per_s"] / refs[0]["output_tokens_per_s"]
@@ -302,6 +308,7 @@ def add_vllm_ratios(rows: list[dict]) -> None:
     """x_vllm: output tokens/s over the real vLLM's, same dtype, same clients
     (the course's honest score: chapter 06 against vLLM)."""
     for row in rows:
+        row["x_vllm"] = None
         refs = [r for r in rows if r["system"] == VLLM and r["dtype"] == row["dtype"]
                 and r["clients"] == row["clients"] and r["output_tokens_per_s"]]
         if refs and row["output_tokens_per_s"] is not None and row["dtype"]:
@@ -466,6 +473,7 @@ def measure_vllm(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
     try:
         server = vllm_peer.VllmServer(free_port(), log_dir / f"vllm-{entry.dtype}.log",
                                       entry.dtype, kv_gb=s.vllm_kv_gb,
+                                      reserved_cpus=s.vllm_reserved_cpus,
                                       max_num_seqs=s.max_num_seqs,
                                       max_num_batched_tokens=s.max_num_batched_tokens)
     except RuntimeError as exc:
@@ -473,8 +481,10 @@ def measure_vllm(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
         return [empty_row(entry, c, "error", f"vLLM failed to start: {last_line}")
                 for c in entry.clients]
     with server:
-        entry.note = (f"the real vLLM, {s.vllm_kv_gb} GiB of KV cache, both cores "
-                      f"(VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
+        cores = ("every core computes" if s.vllm_reserved_cpus == 0 else
+                 f"{s.vllm_reserved_cpus} core(s) kept for its front end, vLLM's default")
+        entry.note = (f"the real vLLM, {s.vllm_kv_gb} GiB of KV cache, {cores} "
+                      f"(VLLM_CPU_NUM_OF_RESERVED_CPU={s.vllm_reserved_cpus})")
         return measure_http(entry, server.url, s, entry.clients)
 
 
@@ -538,14 +548,35 @@ def bf16_words(m: dict) -> str:
     return f"bf16 in hardware: {', '.join(flags)}" if flags else "no bf16 in hardware"
 
 
+def run_label(s: Settings) -> str:
+    """"" for the preset's chapters with all the peers or none; else what
+    this run left out or picked ("-ch02-05-06-vllm"), so that a partial run
+    never overwrites a whole one's results file or figure."""
+    parts = []
+    if s.chapters != PRESETS[s.preset].chapters:
+        parts.append("ch" + "-".join(s.chapters) if s.chapters else "no-chapters")
+    if s.peers and set(s.peers) != set(ALL_PEERS) and s.peers != PRESETS[s.preset].peers:
+        parts += s.peers
+    if VLLM in s.peers and s.vllm_reserved_cpus:
+        parts.append(f"reserved{s.vllm_reserved_cpus}")
+    return "".join(f"-{part}" for part in parts)
+
+
 def result_stem(s: Settings, when: datetime.datetime, host: str) -> str:
     suffix = "" if s.preset == "default" else f"-{s.preset}"
-    return f"{when:%Y-%m-%d}-{host}{suffix}"
+    return f"{when:%Y-%m-%d}-{host}{suffix}{run_label(s)}"
+
+
+def figure_name(s: Settings) -> str:
+    """The preset's figure, with the run's label: chapters-ch02-05-06-vllm.png."""
+    stem, _, ext = s.figure.rpartition(".")
+    return f"{stem}{run_label(s)}.{ext}"
 
 
 def record(s: Settings, rows: list[dict], when: datetime.datetime, duration: float,
            command: str) -> dict:
     return {"date": when.isoformat(timespec="seconds"), "command": command,
+            "figure": figure_name(s),
             "duration_s": duration, "machine": machine(),
             "settings": dataclasses.asdict(s), "rows": rows}
 
@@ -767,6 +798,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         s.vllm_dtypes = list(dict.fromkeys(args.vllm_dtypes))
     if args.vllm_kv_gb is not None:
         s.vllm_kv_gb = args.vllm_kv_gb
+    if args.vllm_reserved_cpus is not None:
+        s.vllm_reserved_cpus = args.vllm_reserved_cpus
     s.urls, s.url_names = args.url or [], args.url_name or []
     if args.levers is not None:  # a bare --levers: int8 and int4
         s.levers = list(dict.fromkeys(args.levers or ["int8", "int4"]))
@@ -777,8 +810,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     s.chapters = [] if s.chapters == ["none"] else [f"{int(c):02d}" for c in s.chapters]
     # Each vLLM row gets a chapter 06 row of its dtype (x vLLM pairs them).
     if VLLM in s.peers and "06" in s.chapters:
-        s.levers += [d for d in s.vllm_dtypes if d != s.dtype and d in LEVER_FLAGS
-                     and d not in s.levers]
+        s.levers = s.levers + [d for d in s.vllm_dtypes if d != s.dtype and d in LEVER_FLAGS
+                               and d not in s.levers]  # a new list: the preset's stays
     s.clients = sorted(s.clients)
     return s
 
@@ -806,6 +839,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the vLLM rows' dtypes (default: float32 bfloat16)")
     p.add_argument("--vllm-kv-gb", type=int,
                    help=f"the vLLM rows' KV cache, whole GiB (default {vllm_peer.DEFAULT_KV_GB})")
+    p.add_argument("--vllm-reserved-cpus", type=int,
+                   help="the vLLM rows' VLLM_CPU_NUM_OF_RESERVED_CPU (default 0: compute on "
+                        "every core; vLLM's own default keeps 1 for its front end)")
     p.add_argument("--llamacpp-dtype", choices=list(llamacpp.DTYPES),
                    help="the GGUF the llama.cpp row runs (default f32, as our chapters)")
     p.add_argument("--llamacpp-threads", type=int,
@@ -821,7 +857,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype")
     p.add_argument("--out-dir", type=Path, default=BENCH_DIR)
     p.add_argument("--redraw", type=Path, metavar="JSON",
-                   help="measure nothing: write the table and figure of a results file again")
+                   help="measure nothing: compute the ratios and write the table and "
+                        "figure of a results file again")
     return p
 
 
@@ -838,7 +875,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.redraw:
         rec = json.loads(args.redraw.read_text())
-        write_table_and_figure(rec, args.redraw, args.out_dir / rec["settings"]["figure"])
+        figure = rec.get("figure") or rec["settings"]["figure"]  # older files: the preset's
+        add_ratios(rec["rows"])  # derived, not measured: as this version computes them
+        add_vllm_ratios(rec["rows"])
+        args.redraw.write_text(json.dumps(rec, indent=2) + "\n")
+        write_table_and_figure(rec, args.redraw, args.out_dir / figure)
         return 0
     s = settings_from_args(args)
     if not s.chapters and not s.urls and not s.peers and not s.levers:
@@ -868,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = result_stem(s, when, rec["machine"]["host"])
     json_path = results / f"{stem}.json"
     json_path.write_text(json.dumps(rec, indent=2) + "\n")
-    write_table_and_figure(rec, json_path, args.out_dir / s.figure)
+    write_table_and_figure(rec, json_path, args.out_dir / figure_name(s))
     return 0
 
 

@@ -254,8 +254,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited at startup; "
-                                   f"log:\n{self.log_tail()}")
+                tail = self.log_tail()
+                self.stop()  # what it spawned may outlive it (vLLM's engine core)
+                raise RuntimeError(f"{self.name} server exited at startup; log:\n{tail}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return

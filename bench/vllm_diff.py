@@ -263,12 +263,18 @@ def wire_differences(ours_url: str, vllm_url: str) -> dict[str, dict]:
     for name, (method, path, body) in WIRE_REQUESTS.items():
         ours, theirs = call(ours_url, method, path, body), call(vllm_url, method, path, body)
         diffs, null_only = compare_shapes(ours, theirs)
-        greedy = isinstance(body, dict) and body.get("temperature") == 0
         report[name] = {"differences": diffs, "null_only": null_only,
-                        "same_text": texts(ours["body"]) == texts(theirs["body"]) if greedy
-                        else None,  # sampled: each engine draws its own
-                        "ours": ours, "vllm": theirs}
+                        "same_text": same_text(body, ours, theirs), "ours": ours, "vllm": theirs}
     return report
+
+
+def same_text(body, ours: dict, theirs: dict) -> bool | None:
+    """Do both write the same text? None where there is nothing to compare:
+    a sampled request (each engine draws its own), or an error on a side."""
+    greedy = isinstance(body, dict) and body.get("temperature") == 0
+    if not greedy or ours["status"] != 200 or theirs["status"] != 200:
+        return None
+    return texts(ours["body"]) == texts(theirs["body"])
 
 
 def texts(body) -> list[str]:
@@ -324,6 +330,40 @@ def undocumented(report: dict[str, dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------- main
+def render_markdown(rec: dict) -> str:
+    """The results file's summary: agreement per pair, then the wire."""
+    m = rec["machine"]
+    lines = [f"# Chapter 06 against the real vLLM: {rec['date'][:10]}", "",
+             f"Command: `{rec['command']}`. Machine: {m['cpu']}, {m['cores']} cores, "
+             f"bf16 in hardware: {', '.join(m['cpu_bf16']) or 'none'}; torch {m['torch']}, "
+             f"vLLM {m['vllm']}. Both servers in float32, greedy.", "",
+             f"## Tokens: {len(PROMPT_SET)} prompts x {MAX_TOKENS} tokens", "",
+             f"Same prompt ids from both chat templates: {rec['same_prompt_ids']}.", "",
+             "| pair | same tokens | diverging (prompt, position) |", "|---|---|---|"]
+    for pair, entry in rec["agreement"].items():
+        lines.append(f"| {pair} | {entry['same']} / {entry['of']} | "
+                     f"{entry['diverging'] or 'none'} |")
+    for pair, found in rec["divergences"].items():
+        for d in found:
+            lines.append(f"\n{pair}, position {d['position']}: tokens {d['tokens']}, HF's "
+                         f"margin {d['hf_margin']:.4f} nats (near tie: {d['near_tie']})")
+    lines += ["", "## The wire: the same requests to both", "",
+              "| request | status (ours / vLLM) | same greedy text | differences |",
+              "|---|---|---|---|"]
+    for name, entry in rec["wire"].items():
+        same = {True: "yes", False: "**no**", None: "-"}[entry["same_text"]]
+        diffs = "; ".join(f"`{d}`" for d in entry["differences"]) or "none"
+        lines.append(f"| {name} | {entry['ours']['status']} / {entry['vllm']['status']} | "
+                     f"{same} | {diffs} |")
+    ours, theirs = set(rec["metrics"]["ours"]), set(rec["metrics"]["vllm"])
+    lines += ["", f"Fields only one side sends, always as null (not differences): "
+              f"{sorted({d.split(': ')[0] for e in rec['wire'].values() for d in e['null_only']})}",
+              "", f"Metrics: {len(ours)} families of ours, {len(ours & theirs)} of them in "
+              f"vLLM's {len(theirs)}; ours not in vLLM's: {sorted(ours - theirs) or 'none'}.",
+              "", f"Undocumented differences: {rec['undocumented'] or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     from bench import vllm_peer
     from bench.bench import machine
@@ -360,6 +400,7 @@ def main() -> int:
     stem = f"{rec['date'][:10]}-{rec['machine']['host']}-vllm-diff"
     out = ROOT / "bench" / "results" / f"{stem}.json"
     out.write_text(json.dumps(rec, indent=2) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(rec))
     print(json.dumps({"agreement": {p: (e["same"], e["of"]) for p, e in agreement.items()},
                       "undocumented": rec["undocumented"]}, indent=2))
     print(f"wrote {out}")

@@ -24,9 +24,11 @@ The environment it runs in (`vllm_env`):
   `--device-memory-gb`, without the weights;
 - `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: by default vLLM keeps one core for its
   API server and engine-core processes and computes on the others. On a
-  2-core machine that halves its compute (measured: 191 tok/s on one core,
-  291 on both, float32, 32 clients x 64 tokens); the course's servers use
-  both cores, and so does vLLM here (`--reserved-cpus 1`: vLLM's default);
+  2-core machine that costs it a third (float32, 32 streaming clients x
+  64 tokens: 166.4 tok/s with one core kept, 268.2-284.6 with none,
+  bench/results/2026-12-01-vm-ch06-vllm-reserved1.md and
+  2026-12-01-vm-ch02-05-06-vllm.md); the course's servers use every
+  core, and so does vLLM here (`--reserved-cpus 1`: vLLM's default);
 - offline: `HF_HUB_OFFLINE=1`, and no usage statistics sent.
 
 It serves the embedded model's converted folder (`make setup` writes it

@@ -23,16 +23,17 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
     code = bench.main(["--preset", "quick", "--chapters", "05", "--clients", "2",
                        "--max-tokens", "4", "--peers", "--out-dir", str(tmp_path), *TINY])
     assert code == 0
-    [json_path] = (tmp_path / "results").glob("*-quick.json")
+    [json_path] = (tmp_path / "results").glob("*-quick-*.json")  # some chapters: a label
     record = json.loads(json_path.read_text())
     assert {"date", "command", "duration_s", "machine", "settings", "rows"} <= set(record)
     assert {"cpu", "cores", "gpu", "torch", "transformers", "host"} <= set(record["machine"])
     assert record["settings"]["model"] == "tiny-llama"
     names = [row["name"] for row in record["rows"]]
-    assert names == ["05", "llama.cpp f32", "hf-generate", "hf-static-batch",
-                     "hf-generate-batch"]
-    llama = record["rows"].pop(1)  # the bench's model is not the one llama.cpp runs
-    assert llama["status"] == "skipped" and "embedded model only" in llama["first_error"]
+    assert names == ["05", "vLLM 0.32.0 float32", "vLLM 0.32.0 bfloat16", "llama.cpp f32",
+                     "hf-generate", "hf-static-batch", "hf-generate-batch"]
+    for _ in range(3):  # the bench's model is not the one vLLM and llama.cpp run
+        peer = record["rows"].pop(1)
+        assert peer["status"] == "skipped" and "embedded model only" in peer["first_error"]
     for row in record["rows"]:
         assert set(bench.FIGURES) <= set(row), row["name"]
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8), row
@@ -44,7 +45,7 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
     table = json_path.with_suffix(".md").read_text()
     assert "| system | card | load |" in table and "| hf-generate-batch |" in table
     assert table in capsys.readouterr().out
-    png = tmp_path / "chapters-quick.png"
+    png = tmp_path / "chapters-quick-ch05.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     png.unlink()  # --redraw measures nothing and writes the same table and a figure
     assert bench.main(["--redraw", str(json_path), "--out-dir", str(tmp_path)]) == 0
@@ -96,6 +97,28 @@ def test_ratios_against_chapter_02_and_the_sweep_figure(tmp_path):
     assert [r["x_ch02"] for r in rows if r["name"] == "05"] == [1.0, 2.0, 4.0]
     bench.draw_sweep(rows, tmp_path / "sweep.png", "synthetic sweep")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    roomy_failed = [_row("02", 4, 10.0, failed=3, chapter="02"), _row("05", 4, 50.0)]
+    bench.add_ratios(roomy_failed)  # a chapter 02 row with failures is no baseline
+    assert roomy_failed[1]["x_ch02"] is None
+
+
+def test_x_vllm_pairs_each_row_with_the_vllm_row_of_its_dtype():
+    def peer(dtype, tokens_per_s):
+        row = bench.empty_row(bench.Entry(f"vLLM {dtype}", peer=bench.VLLM, dtype=dtype), 32, "ok")
+        row.update(completed=32, failed=0, output_tokens_per_s=tokens_per_s)
+        return row
+    ours = [_row("06", 32, 90.0), _row("06 bfloat16", 32, 300.0)]
+    ours[0]["dtype"], ours[1]["dtype"] = "float32", "bfloat16"
+    rows = ours + [peer("float32", 100.0), peer("bfloat16", 200.0)]
+    bench.add_vllm_ratios(rows)
+    assert [r["x_vllm"] for r in rows] == [0.9, 1.5, 1.0, 1.0]
+    settings = bench.settings_from_args(bench.parser().parse_args(
+        ["--peers", "vllm", "--chapters", "02", "05", "06"]))
+    assert settings.levers == ["bfloat16"]  # chapter 06 beside vLLM's bfloat16 row
+    assert bench.run_label(settings) == "-ch02-05-06-vllm"
+    assert bench.figure_name(settings) == "chapters-ch02-05-06-vllm.png"
+    assert [e.name for e in bench.plan(settings)][-2:] == ["vLLM 0.32.0 float32",
+                                                           "vLLM 0.32.0 bfloat16"]
 
 
 def test_the_bench_plan_gives_chapter_01_a_lighter_load_and_02_two_cards():
@@ -123,7 +146,7 @@ def test_a_running_server_at_a_url_is_one_more_row(start_server, tmp_path):
                        "--url-name", "by-url", "--url", server.url, "--clients", "2",
                        "--max-tokens", "4", "--out-dir", str(tmp_path), *TINY])
     assert code == 0
-    [json_path] = (tmp_path / "results").glob("*-quick.json")
+    [json_path] = (tmp_path / "results").glob("*-quick-*.json")  # some chapters: a label
     rows = json.loads(json_path.read_text())["rows"]
     assert [row["name"] for row in rows] == ["by-url", "tiny-llama"]  # 2nd: /v1/models
     for row in rows:

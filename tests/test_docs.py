@@ -53,6 +53,10 @@ EXTERNAL = {
     "completion_tokens", "base_url", "api_key", "num_gpu_blocks", "enforce_eager",
     "swap_space", "tensor_parallel_size", "enable_chunked_prefill", "cpu_offload_gb",
     "completion_tokens_details", "prompt_tokens_details",
+    # the real vLLM's own source and wire (.vllm-venv/.../vllm/), quoted in chapter 06
+    "cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache",
+    "dispatch_cpu_unquantized_gemm", "onednn_mm", "weight_packed_linear_cpu",
+    "service_tier", "kv_transfer_params",
     # Prometheus configuration and PromQL; curl's --write-out
     "scrape_configs", "job_name", "static_configs", "histogram_quantile", "tokens_total",
     "http_code",

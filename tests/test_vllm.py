@@ -96,17 +96,23 @@ def test_wire_differences_are_the_documented_ones(wire):
 @needs_vllm
 def test_same_greedy_texts_on_the_wire(wire):
     """Chat, completions and their streams write the same greedy text."""
-    different = [name for name, entry in wire.items()
-                 if not name.startswith("error") and not entry["same_text"]]
-    assert different == []
+    compared = {name: entry["same_text"] for name, entry in wire.items()
+                if entry["same_text"] is not None and not name.startswith("error")}
+    assert {"chat", "chat stream", "completion", "completion stream"} <= set(compared)
+    assert [name for name, same in compared.items() if not same] == []
 
 
 @needs_vllm
 def test_error_statuses_match(wire):
-    """Bad input gets the same HTTP status from both, in OpenAI's envelope."""
+    """Bad input gets the same HTTP status from both (but where a documented
+    difference says why not), and ours always in OpenAI's envelope."""
     for name, entry in wire.items():
-        if name.startswith("error"):
-            assert entry["ours"]["status"] == entry["vllm"]["status"], name
+        if not name.startswith("error"):
+            continue
+        ours, theirs = entry["ours"]["status"], entry["vllm"]["status"]
+        kept = f"{name}: status: ours {ours}, vLLM {theirs}" in vllm_diff.WIRE_DIFFERENCES
+        assert ours == theirs or kept, name
+        if ours >= 400:
             assert set(entry["ours"]["body"]["error"]) >= {"message", "type", "code"}, name
 
 

@@ -273,6 +273,12 @@ class CompletionRequest(SamplingFields):
 SYSTEM_FINGERPRINT = f"llm-course-{__version__}"
 
 
+def asked_only():
+    """A field of vLLM's `return_token_ids`: on the wire only when asked for
+    (vLLM sends it as null otherwise; OpenAI has no such field)."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -303,7 +309,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     finish_reason: Literal["stop", "length"]
     logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -314,7 +320,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str = SYSTEM_FINGERPRINT
-    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    prompt_token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids
 
 
 # ch06: streaming chunks and text completions.
@@ -323,7 +329,7 @@ class ChunkChoice(BaseModel):
     delta: dict[str, str]  # {"role": "assistant", "content": ""}, {"content": "..."} or {}
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None  # this chunk's, with return_token_ids
+    token_ids: list[int] | None = asked_only()  # this chunk's, with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -334,7 +340,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str = SYSTEM_FINGERPRINT
-    prompt_token_ids: list[int] | None = None  # in the first chunk, with return_token_ids
+    prompt_token_ids: list[int] | None = asked_only()  # in the first chunk, with return_token_ids
 
 
 class CompletionLogprobs(BaseModel):
@@ -349,8 +355,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids (a chunk's in a stream)
-    prompt_token_ids: list[int] | None = None  # (a stream: in each choice's first chunk)
+    token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids (a chunk's in a stream)
+    prompt_token_ids: list[int] | None = asked_only()  # (a stream: in each choice's first chunk)
 
 
 class CompletionResponse(BaseModel):

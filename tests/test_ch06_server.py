@@ -239,6 +239,31 @@ def test_vllm_extras_and_unknown_fields(server):
     assert response.json()["usage"]["completion_tokens"] == 12
 
 
+def test_return_token_ids_as_vllm_sends_them(server, client, embedded):
+    """vLLM's `return_token_ids`: the prompt's and the answer's ids beside the
+    text, the answer's being HF's greedy tokens; absent unless asked for."""
+    prompt_ids = apply_chat_template(embedded.tokenizer, CHAT)
+    reference = hf_greedy(embedded.model, prompt_ids, 8)
+    answer = chat(client, messages=CHAT, max_tokens=8, extra_body={"return_token_ids": True})
+    assert answer.prompt_token_ids == prompt_ids
+    assert answer.choices[0].token_ids == reference
+    assert answer.system_fingerprint.startswith("llm-course-")
+    plain = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    ids = [504, 1296, 3003, 4683, 359]  # "The three primary colors are"
+    text = post(server, "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 4, "n": 2,
+                                            "temperature": 0, "return_token_ids": True}).json()
+    assert [c["prompt_token_ids"] for c in text["choices"]] == [ids, ids, ids[:3], ids[:3]]
+    assert all(len(c["token_ids"]) == 4 for c in text["choices"])
+    stream = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8,
+                                                   "temperature": 0, "stream": True,
+                                                   "return_token_ids": True}, stream=True)
+    chunks = [json.loads(line[6:]) for line in stream.iter_lines(decode_unicode=True)
+              if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == reference
+
+
 # ------------------------------------------------------------------ errors
 def assert_error(response: requests.Response, status: int, param: str | None = "any") -> dict:
     assert response.status_code == status, response.text

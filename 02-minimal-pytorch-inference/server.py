@@ -31,6 +31,7 @@ from common.entrypoints.protocol import (INT64_MAX, INT64_MIN, ChatChoice,  # no
 from common.loader import apply_chat_template, load_model  # noqa: E402
 from common.memory import (Card, activation_bytes_estimate, format_bytes,  # noqa: E402
                            static_cache_bytes)
+from common.sampling_params import SAMPLING_EPS  # noqa: E402
 
 args = parse_server_args(server_parser("Chapter 02: the naive model.generate server"))
 MODEL_NAME = args.served_model_name or args.model
@@ -86,11 +87,12 @@ def chat_completions(req: ChatCompletionRequest) -> ChatCompletionResponse:
         input_ids = torch.tensor([prompt_ids], device=lm.device)
         if req.seed is not None:
             torch.manual_seed(req.seed)  # the global generator: not reproducible under load
+        sampled = req.temperature >= SAMPLING_EPS  # below it: greedy, as vLLM (1e-300: NaN)
         # Problem 2: one request per generate call, no batching.
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
             max_new_tokens=max_tokens, min_new_tokens=max_tokens if req.ignore_eos else 0,
-            do_sample=req.temperature > 0, temperature=req.temperature or None,
+            do_sample=sampled, temperature=req.temperature if sampled else None,
             top_p=req.top_p, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     new_ids = output[0, len(prompt_ids):].tolist()
     log.info("[ch02] request done: %d prompt + %d new tokens used %.2f%% of the %d "

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from common.sampling_params import SAMPLING_EPS
+
 
 def sample_next_token(logits: torch.Tensor, temperature: float,
                       generator: torch.Generator | None = None) -> int:
-    """logits: (vocab,). Greedy at temperature 0, else softmax sampling."""
-    if temperature == 0.0:
+    """logits: (vocab,). Greedy at temperature 0 (below SAMPLING_EPS), else
+    softmax sampling."""
+    if temperature < SAMPLING_EPS:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (vocab,)
     return int(torch.multinomial(probs, num_samples=1, generator=generator))

@@ -18,6 +18,11 @@ import enum
 from dataclasses import dataclass, field
 
 
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing the
+# logits by 1e-300 would overflow them to inf, and softmax to NaN.
+SAMPLING_EPS = 1e-5
+
+
 class RequestOutputKind(enum.Enum):
     DELTA = "delta"  # one output per new token: the new token ids and text
     FINAL_ONLY = "final_only"  # one output, when the request finishes
@@ -55,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:

@@ -102,3 +102,13 @@ def test_two_concurrent_clients_one_success_one_oom(ch02):
 
 def test_ch02_bad_input(ch02):
     assert_bad_input_rejected(ch02.url)
+
+
+def test_a_temperature_below_sampling_eps_is_greedy(ch02):
+    """1e-300 would divide the logits into inf and NaN: below vLLM's 1e-5 it
+    samples greedily, as temperature 0 does."""
+    client = openai_client(ch02.url)
+    answers = [client.chat.completions.create(model="smollm2", messages=PROMPTS[0],
+                                              max_tokens=8, temperature=t, seed=1)
+               for t in (0.0, 1e-300, 5e-324)]
+    assert len({a.choices[0].message.content for a in answers}) == 1

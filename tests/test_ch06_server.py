@@ -264,6 +264,18 @@ def test_return_token_ids_as_vllm_sends_them(server, client, embedded):
     assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == reference
 
 
+def test_a_temperature_below_sampling_eps_is_greedy(server, client):
+    """vLLM's rule: below 1e-5 a temperature means greedy (1e-300 would turn
+    the logits into inf and NaN), whole answers and streams alike."""
+    greedy = chat(client, max_tokens=8).choices[0].message.content
+    for tiny in (1e-300, 5e-324):
+        assert chat(client, max_tokens=8, temperature=tiny).choices[0].message.content == greedy
+        stream = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8,
+                                                       "temperature": tiny, "stream": True})
+        events = sse_events(stream)
+        assert stream.status_code == 200 and not any('"error"' in e for e in events)
+
+
 # ------------------------------------------------------------------ errors
 def assert_error(response: requests.Response, status: int, param: str | None = "any") -> dict:
     assert response.status_code == status, response.text

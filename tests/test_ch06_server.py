@@ -300,6 +300,9 @@ def test_bad_input_gets_400_with_param(server):
     assert error["code"] == "context_length_exceeded"
     assert_error(post(server, "/v1/chat/completions",
                       {"messages": CHAT, "top_logprobs": 2}), 400, "top_logprobs")
+    for key in ("\u00b2", "7" * 4301, "-1", "1.5"):  # "²".isdigit() is true; int() refuses it
+        assert_error(post(server, "/v1/chat/completions",
+                          {"messages": CHAT, "logit_bias": {key: 1}}), 400, "logit_bias")
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "tools": [tool]}),
                  400, "tools")

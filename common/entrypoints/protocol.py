@@ -145,8 +145,10 @@ class SamplingFields(StrictModel):
     @classmethod
     def _token_id_keys(cls, value):
         for key in value or {}:
-            if not key.isdigit():
-                raise unsupported(f"logit_bias keys are token ids, got {key!r}.")
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses,
+            # and a few digits only: int() refuses 4,301 of them.
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                raise unsupported(f"logit_bias keys are token ids, got {key[:32]!r}.")
         return value
 
     def stop_strings(self) -> list[str]:

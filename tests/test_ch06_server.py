@@ -228,6 +228,25 @@ def test_logprobs(client):
     assert text.logprobs.text_offset[0] == 0 and "".join(text.logprobs.tokens) == text.text
 
 
+def test_completion_logprobs_offsets_and_the_sampled_token(server):
+    """text_offset counts the tokens' own text, also in a stream whose stop
+    string holds text back; top_logprobs always hold the sampled token."""
+    body = {"model": "course-model", "prompt": "The three primary colors are", "max_tokens": 6,
+            "temperature": 0, "logprobs": 0, "stop": ["\n\n"]}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    chunks = [json.loads(e) for e in sse_events(post(server, "/v1/completions",
+                                                     {**body, "stream": True}))[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+    offsets = [o for lp in streamed if lp for o in lp["text_offset"]]
+    assert offsets == whole["text_offset"]
+    assert offsets == [sum(map(len, whole["tokens"][:k])) for k in range(len(whole["tokens"]))]
+    assert [list(top) for top in whole["top_logprobs"]] == [[t] for t in whole["tokens"]]
+    sampled = post(server, "/v1/completions", {**body, "temperature": 1.5, "logprobs": 1,
+                                               "seed": 3}).json()["choices"][0]["logprobs"]
+    for token, top in zip(sampled["tokens"], sampled["top_logprobs"]):
+        assert token in top and len(top) <= 2
+
+
 def test_vllm_extras_and_unknown_fields(server):
     response = post(server, "/v1/chat/completions", {
         "model": "course-model", "messages": CHAT, "max_completion_tokens": 12,

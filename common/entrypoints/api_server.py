@@ -196,16 +196,22 @@ class OpenAIServing(ChatServing):
 
     # ------------------------------------------------------------ outputs
     def completion_logprobs(self, tokens: list[SampledToken], offset: int) -> CompletionLogprobs:
-        """`offset`: characters of this choice's text before these tokens."""
+        """`offset`: characters of this choice's tokens before these ones (their
+        own text, not what has been released: a stop string holds text back).
+        Each position's top logprobs include the sampled token, as OpenAI's
+        and vLLM's do (up to `logprobs` + 1 entries)."""
         texts = [self.token_text(t.token_id) for t in tokens]
         offsets = []
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        return CompletionLogprobs(
-            tokens=texts, token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[{self.token_text(i): lp for i, lp in t.top_logprobs} for t in tokens],
-            text_offset=offsets)
+        tops = []
+        for text, t in zip(texts, tokens):
+            top = {self.token_text(i): lp for i, lp in t.top_logprobs}
+            top.setdefault(text, t.logprob)
+            tops.append(top)
+        return CompletionLogprobs(tokens=texts, token_logprobs=[t.logprob for t in tokens],
+                                  top_logprobs=tops, text_offset=offsets)
 
     # --------------------------------------------------------- chat stream
     def stream_chat(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
@@ -276,21 +282,22 @@ class OpenAIServing(ChatServing):
                                           model=self.model_name, choices=choices, usage=usage))
 
         completion_tokens = 0
-        sent_chars = [0] * len(choices)  # text already sent, per choice (text_offset)
+        token_chars = [0] * len(choices)  # the text of the tokens so far, per choice (text_offset)
         first = [True] * len(choices)  # prompt_token_ids go in each choice's first chunk
         ids = req.return_token_ids
         async for i, out in merge_choices(choices):  # each output is a delta
             new_logprobs = out.logprobs if req.logprobs is not None else []
             if out.text or new_logprobs or out.finished or (ids and out.token_ids):
-                logprobs = (self.completion_logprobs(new_logprobs, sent_chars[i])
+                logprobs = (self.completion_logprobs(new_logprobs, token_chars[i])
                             if req.logprobs is not None else None)
+                if logprobs is not None:
+                    token_chars[i] += sum(map(len, logprobs.tokens))
                 prompt = prompts[i // req.n] if ids and first[i] else None  # as start()
                 first[i] = False
                 yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
                                               finish_reason=out.finish_reason,
                                               token_ids=out.token_ids if ids else None,
                                               prompt_token_ids=prompt)])
-            sent_chars[i] += len(out.text)
             if out.finished:
                 completion_tokens += out.num_output_tokens
         if req.stream_options and req.stream_options.include_usage:

@@ -358,11 +358,27 @@ def test_logit_bias_is_applied(client, embedded):
     assert "Paris" not in biased.choices[0].message.content
 
 
-def test_api_key_guards_the_tokenizer_endpoints(server):
+def test_api_key_guards_every_route_but_the_public_ones(server):
+    """Default-deny: every route of the app needs the key (401 without it),
+    but those vLLM leaves open; `Bearer` in any case, as RFC 7235 says."""
     for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})]:
         assert_error(post(server, path, body, headers={}), 401)
         assert post(server, path, body).status_code == 200
     assert_error(post(server, "/detokenize", {"tokens": [1000000]}), 400, "tokens")
+    from common.entrypoints.api_server import PUBLIC_PATHS
+    routes = requests.get(server.url + "/openapi.json", timeout=30).json()["paths"]
+    for path, methods in routes.items():
+        method = "get" if "get" in methods else "post"
+        anonymous = requests.request(method, server.url + path, timeout=60)
+        if path in PUBLIC_PATHS:
+            assert anonymous.status_code == 200, path
+        else:
+            assert_error(anonymous, 401)
+    assert "/stats" in routes and "/health" in PUBLIC_PATHS
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert requests.get(server.url + "/stats", timeout=30,
+                            headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert_error(requests.get(server.url + "/stats", headers={"Authorization": KEY}), 401)
 
 
 def test_unknown_model_404_and_api_key_401(server, client):
@@ -437,7 +453,7 @@ def test_closed_streams_are_aborted_and_free_their_blocks(server):
              and metric(server, "vllm:kv_cache_usage_perc") == 0, "the aborts")
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
-    assert requests.get(server.url + "/stats").json()["finished"]["abort"] >= 6
+    assert requests.get(server.url + "/stats", headers=AUTH).json()["finished"]["abort"] >= 6
 
 
 # ------------------------------------------------- in-process: fault injection

@@ -9,7 +9,7 @@ the same engine requests, the same whole answers) plus:
   prompts, token ids); logprobs in both shapes;
 - `GET /version`, `GET /metrics` (Prometheus, vLLM's names),
   `POST /tokenize`, `POST /detokenize`;
-- `--api-key` on `/v1/*`, `/tokenize` and `/detokenize` (401);
+- `--api-key` on every route but those vLLM leaves open (401);
   `--max-waiting` backpressure (503 with `Retry-After`; a request with more
   choices than could ever be admitted is a 400); `--disable-fastapi-docs`;
 - a client that goes away (stream closed, request dropped) has its request
@@ -83,7 +83,10 @@ log = logging.getLogger("llm-course")
 
 DEFAULT_MAX_WAITING = 256
 RETRY_AFTER_S = 1
-GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what --api-key protects
+# What --api-key leaves open, as vLLM does: load balancers, Prometheus, the
+# docs. Every other route, `/stats` and any route added later, needs the key.
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
+                          "/redoc", "/openapi.json"})
 
 
 # ------------------------------------------------------ small request models
@@ -102,16 +105,18 @@ class DetokenizeRequest(StrictModel):
 
 # --------------------------------------------------------- ASGI middleware
 class APIKeyCheck:
-    """`--api-key`: the API and the tokenizer endpoints need
-    `Authorization: Bearer KEY` (`/health` and `/metrics` stay open)."""
+    """`--api-key`: every route but PUBLIC_PATHS needs `Authorization:
+    Bearer KEY` (default-deny: `/stats` shows the engine's state and the
+    prefix-cache hits, which can hint at other users' prompts). The scheme
+    is case-insensitive (RFC 7235), the key compared in constant time."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)

@@ -329,6 +329,33 @@ def test_bad_input_gets_400_with_param(server):
         "messages": CHAT, "response_format": {"type": "json_object"}}), 400, "response_format")
 
 
+def test_vllm_fields_it_does_not_implement_are_refused_not_ignored(server):
+    """Each vLLM extra this server does not implement is a 400 naming it when
+    set; left at its default it passes, as a client library would send it."""
+    refused = [("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+               ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
+               ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+               ("/v1/completions", {"structured_outputs": {"choice": ["a", "b"]}},
+                "structured_outputs"),
+               ("/v1/chat/completions", {"echo": True}, "echo"),
+               ("/v1/chat/completions", {"add_generation_prompt": False},
+                "add_generation_prompt"),
+               ("/v1/chat/completions", {"continue_final_message": True},
+                "continue_final_message"),
+               ("/v1/chat/completions", {"stream": True, "stream_options": {
+                   "include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
+               ("/tokenize", {"add_generation_prompt": False}, "add_generation_prompt")]
+    for path, extra, param in refused:
+        base = {"messages": CHAT} if path != "/v1/completions" else {"prompt": "Hi"}
+        error = assert_error(post(server, path, {**base, "max_tokens": 2, **extra}), 400)
+        assert param in (error["param"] or ""), (path, extra, error)
+    defaults = {"prompt_logprobs": None, "use_beam_search": False, "echo": False,
+                "add_generation_prompt": True, "continue_final_message": False,
+                "structured_outputs": None}
+    ok = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **defaults})
+    assert ok.status_code == 200, ok.text
+
+
 def test_hostile_input_is_a_400_naming_the_param_on_a_kept_connection(server):
     assert_rejected_on_one_connection(server.url, headers=AUTH)
     completions = [

@@ -36,7 +36,7 @@ import torch
 import transformers
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from common import __version__
@@ -75,6 +75,7 @@ from common.entrypoints.protocol import (
     Usage,
     new_app,
     new_id,
+    refuse_unless_default,
 )
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
@@ -96,6 +97,12 @@ class TokenizeRequest(StrictModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # False is refused: the template always adds it
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _generation_prompt(cls, value, info: ValidationInfo):
+        return refuse_unless_default(value, info, True)
 
 
 class DetokenizeRequest(StrictModel):

@@ -101,6 +101,36 @@ class ChatMessage(StrictModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused below
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, value):
+        if value:
+            raise unsupported("stream_options.continuous_usage_stats (usage in every chunk) "
+                              "is not supported; include_usage sends it once, at the end.")
+        return value
+
+
+# vLLM's request extras that this server does not implement: refused with a
+# 400 that names them (when set to anything but their default), never ignored.
+REFUSED_VLLM_FIELDS = {
+    "prompt_logprobs": "prompt_logprobs (the prompt's own logprobs) is not supported.",
+    "use_beam_search": "Beam search is not supported.",
+    "structured_outputs": "Structured outputs (choice, regex, grammar, JSON schema) are "
+                          "not supported yet.",
+    "echo": "echo (the prompt repeated before the answer) is not supported.",
+    "add_generation_prompt": "add_generation_prompt false is not supported: the chat "
+                             "template always opens the assistant's turn.",
+    "continue_final_message": "continue_final_message is not supported.",
+}
+
+
+def refuse_unless_default(value, info: ValidationInfo, default):
+    """A field of REFUSED_VLLM_FIELDS: its default passes, anything else is a 400."""
+    if value != default:
+        raise unsupported(REFUSED_VLLM_FIELDS[info.field_name])
+    return value
 
 
 class SamplingFields(StrictModel):
@@ -126,6 +156,19 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
+    prompt_logprobs: int | None = None  # refused (REFUSED_VLLM_FIELDS)
+    use_beam_search: bool = False  # refused
+    structured_outputs: dict | None = None  # refused
+
+    @field_validator("prompt_logprobs", "structured_outputs")
+    @classmethod
+    def _refused_unless_none(cls, value, info: ValidationInfo):
+        return refuse_unless_default(value, info, None)
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _refused_unless_false(cls, value, info: ValidationInfo):
+        return refuse_unless_default(value, info, False)
 
     @field_validator("stream_options")
     @classmethod
@@ -189,6 +232,15 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict | None = None
     web_search_options: dict | None = None
     reasoning_effort: str | None = None
+    # vLLM's chat extras this server refuses unless left at their defaults:
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("echo", "add_generation_prompt", "continue_final_message")
+    @classmethod
+    def _chat_template_extras(cls, value, info: ValidationInfo):
+        return refuse_unless_default(value, info, cls.model_fields[info.field_name].default)
 
     @field_validator(*REFUSED_CHAT_FIELDS)
     @classmethod

@@ -319,6 +319,15 @@ def test_bad_input_gets_400_with_param(server):
     assert error["code"] == "context_length_exceeded"
     assert_error(post(server, "/v1/chat/completions",
                       {"messages": CHAT, "top_logprobs": 2}), 400, "top_logprobs")
+    for body in (b"", b"[1, 2]"):  # not an object: say so, not "Invalid value for 'None'"
+        assert "must be a JSON object" in assert_error(
+            post(server, "/v1/chat/completions", body), 400, None)["message"]
+    assert "finite" in assert_error(post(server, "/v1/chat/completions", '{"messages": '
+                                         '[{"role": "user", "content": "Hi"}], "temperature": '
+                                         'NaN}'), 400, "temperature")["message"]
+    for message in ({"role": "user"}, {"role": "user", "content": []}):  # OpenAI: a 400
+        assert_error(post(server, "/v1/chat/completions", {"messages": [message]}), 400,
+                     "messages.0.content")
     for key in ("\u00b2", "7" * 4301, "-1", "1.5"):  # "²".isdigit() is true; int() refuses it
         assert_error(post(server, "/v1/chat/completions",
                           {"messages": CHAT, "logit_bias": {key: 1}}), 400, "logit_bias")

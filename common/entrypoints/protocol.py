@@ -75,9 +75,9 @@ Text = Annotated[str, AfterValidator(valid_unicode)]
 
 # ---------------------------------------------------------------- requests
 class StrictModel(BaseModel):
-    """Strict types as OpenAI's (no "8" for 8, no true for 1); unknown
-    fields ignored."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """Strict types as OpenAI's (no "8" for 8, no true for 1, no NaN or
+    infinity for a number); unknown fields ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class TextPart(StrictModel):
@@ -87,7 +87,7 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[Text, list[TextPart]] = ""
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]  # required, as OpenAI
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -497,6 +497,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     # other members of a Union.
     first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     param = _param(first.get("loc", ()))
+    if param is None:  # the body itself: empty, an array, not JSON's content type
+        return APIError(400, "The request body must be a JSON object (Content-Type: "
+                        f"application/json): {first['msg']}.")
     if first["type"] == "unsupported":
         return APIError(400, first["msg"], param=param)
     if first["type"] == "extra_forbidden":  # a server that accepts only what it implements

@@ -102,7 +102,7 @@ class TokenizeRequest(StrictModel):
     @field_validator("add_generation_prompt")
     @classmethod
     def _generation_prompt(cls, value, info: ValidationInfo):
-        return refuse_unless_default(value, info, True)
+        return refuse_unless_default(cls, value, info)
 
 
 class DetokenizeRequest(StrictModel):

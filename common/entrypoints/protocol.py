@@ -41,9 +41,9 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import __version__
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("llm-course")
 
@@ -99,19 +99,6 @@ class ChatMessage(StrictModel):
         return {"role": self.role, "content": self.text()}
 
 
-class StreamOptions(StrictModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: refused below
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _no_continuous_usage(cls, value):
-        if value:
-            raise unsupported("stream_options.continuous_usage_stats (usage in every chunk) "
-                              "is not supported; include_usage sends it once, at the end.")
-        return value
-
-
 # vLLM's request extras that this server does not implement: refused with a
 # 400 that names them (when set to anything but their default), never ignored.
 REFUSED_VLLM_FIELDS = {
@@ -123,14 +110,27 @@ REFUSED_VLLM_FIELDS = {
     "add_generation_prompt": "add_generation_prompt false is not supported: the chat "
                              "template always opens the assistant's turn.",
     "continue_final_message": "continue_final_message is not supported.",
+    "continuous_usage_stats": "stream_options.continuous_usage_stats (usage in every chunk) "
+                              "is not supported; include_usage sends it once, at the end.",
 }
 
 
-def refuse_unless_default(value, info: ValidationInfo, default):
-    """A field of REFUSED_VLLM_FIELDS: its default passes, anything else is a 400."""
-    if value != default:
+def refuse_unless_default(model: type[BaseModel], value, info: ValidationInfo):
+    """A field of REFUSED_VLLM_FIELDS: the model's default for it passes,
+    anything else is a 400 naming it."""
+    if value != model.model_fields[info.field_name].default:
         raise unsupported(REFUSED_VLLM_FIELDS[info.field_name])
     return value
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused (REFUSED_VLLM_FIELDS)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _refused(cls, value, info: ValidationInfo):
+        return refuse_unless_default(cls, value, info)
 
 
 class SamplingFields(StrictModel):
@@ -160,15 +160,10 @@ class SamplingFields(StrictModel):
     use_beam_search: bool = False  # refused
     structured_outputs: dict | None = None  # refused
 
-    @field_validator("prompt_logprobs", "structured_outputs")
+    @field_validator("prompt_logprobs", "use_beam_search", "structured_outputs")
     @classmethod
-    def _refused_unless_none(cls, value, info: ValidationInfo):
-        return refuse_unless_default(value, info, None)
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _refused_unless_false(cls, value, info: ValidationInfo):
-        return refuse_unless_default(value, info, False)
+    def _refused_vllm_extras(cls, value, info: ValidationInfo):
+        return refuse_unless_default(cls, value, info)
 
     @field_validator("stream_options")
     @classmethod
@@ -240,7 +235,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("echo", "add_generation_prompt", "continue_final_message")
     @classmethod
     def _chat_template_extras(cls, value, info: ValidationInfo):
-        return refuse_unless_default(value, info, cls.model_fields[info.field_name].default)
+        return refuse_unless_default(cls, value, info)
 
     @field_validator(*REFUSED_CHAT_FIELDS)
     @classmethod

@@ -270,19 +270,18 @@ class OpenAIServing(ChatServing):
         answers = await self.answers(request, choices)
         return CompletionResponse(
             id=request_id, created=int(time.time()), model=self.model_name,
-            choices=[self.completion_choice(i, a, req, prompts[i // req.n])  # as start()
-                     for i, a in enumerate(answers)],
+            choices=[self.completion_choice(i, a, req) for i, a in enumerate(answers)],
             usage=usage(prompts, sum(a.num_tokens for a in answers)))
 
-    def completion_choice(self, index: int, answer: Answer, req: CompletionRequest,
-                          prompt: list[int]) -> CompletionChoice:
+    def completion_choice(self, index: int, answer: Answer,
+                          req: CompletionRequest) -> CompletionChoice:
         logprobs = (None if req.logprobs is None
                     else self.completion_logprobs(answer.logprobs, 0))
         ids = req.return_token_ids
         return CompletionChoice(index=index, text="".join(answer.text), logprobs=logprobs,
                                 finish_reason=answer.finish_reason,
                                 token_ids=answer.token_ids if ids else None,
-                                prompt_token_ids=prompt if ids else None)
+                                prompt_token_ids=answer.prompt_token_ids if ids else None)
 
     async def completion_chunks(self, request_id: str, prompts: list[list[int]],
                                 req: CompletionRequest,
@@ -304,7 +303,7 @@ class OpenAIServing(ChatServing):
                             if req.logprobs is not None else None)
                 if logprobs is not None:
                     token_chars[i] += sum(map(len, logprobs.tokens))
-                prompt = prompts[i // req.n] if ids and first[i] else None  # as start()
+                prompt = out.prompt_token_ids if ids and first[i] else None
                 first[i] = False
                 yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
                                               finish_reason=out.finish_reason,

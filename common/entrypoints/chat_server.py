@@ -279,10 +279,12 @@ class Answer:
     text: list[str] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput) -> None:
+        self.prompt_token_ids = output.prompt_token_ids
         self.text.append(output.text)
         self.logprobs += output.logprobs
         self.token_ids += output.token_ids

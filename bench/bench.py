@@ -329,6 +329,12 @@ def progress_bar(entry: Entry, clients: int) -> tqdm:
                 desc=f"{entry.name}{card}, {clients} clients", dynamic_ncols=True)
 
 
+def last_line(exc: Exception) -> str:
+    """What a server that failed to start said last (its log's tail ends the error)."""
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else repr(exc)
+
+
 def start_server(entry: Entry, s: Settings, log_dir: Path) -> tuple[ChapterServer | None, str]:
     """(the running server, "") or (None, why it did not start)."""
     log_path = log_dir / (re.sub(r"\W+", "-", f"ch{entry.name}").strip("-") + ".log")
@@ -340,8 +346,7 @@ def start_server(entry: Entry, s: Settings, log_dir: Path) -> tuple[ChapterServe
         send_one(server.url, 0, 2, False, s.deadline_s, None)
         return server, ""
     except RuntimeError as exc:
-        last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-        return None, f"server failed to start: {last_line}"
+        return None, f"server failed to start: {last_line(exc)}"
 
 
 def measure_load(url: str, entry: Entry, clients: int, s: Settings, model: str | None = None,
@@ -451,9 +456,8 @@ def measure_llamacpp(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
                                           log_path,
                                           threads=s.llamacpp_threads or torch.get_num_threads())
         except RuntimeError as exc:
-            last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
             rows.append(empty_row(entry, clients, "error",
-                                  f"llama-server failed to start: {last_line}"))
+                                  f"llama-server failed to start: {last_line(exc)}"))
             continue
         with server:
             entry.note = server.note
@@ -477,8 +481,7 @@ def measure_vllm(entry: Entry, s: Settings, log_dir: Path) -> list[dict]:
                                       max_num_seqs=s.max_num_seqs,
                                       max_num_batched_tokens=s.max_num_batched_tokens)
     except RuntimeError as exc:
-        last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-        return [empty_row(entry, c, "error", f"vLLM failed to start: {last_line}")
+        return [empty_row(entry, c, "error", f"vLLM failed to start: {last_line(exc)}")
                 for c in entry.clients]
     with server:
         cores = ("every core computes" if s.vllm_reserved_cpus == 0 else
@@ -525,7 +528,9 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
 
 
 # -------------------------------------------------------------- the record
-def machine() -> dict:
+def machine(with_vllm: bool = False) -> dict:
+    """The machine, its bf16 support, the library versions; with_vllm: also the
+    real vLLM's version (a subprocess that imports it: only for runs that use it)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -536,7 +541,8 @@ def machine() -> dict:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
-            "cpu_bf16": cpu_bf16_flags(), "vllm": vllm_peer.installed_version(),
+            "cpu_bf16": cpu_bf16_flags(),
+            "vllm": vllm_peer.installed_version() if with_vllm else None,
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -577,7 +583,7 @@ def record(s: Settings, rows: list[dict], when: datetime.datetime, duration: flo
            command: str) -> dict:
     return {"date": when.isoformat(timespec="seconds"), "command": command,
             "figure": figure_name(s),
-            "duration_s": duration, "machine": machine(),
+            "duration_s": duration, "machine": machine(with_vllm=VLLM in s.peers),
             "settings": dataclasses.asdict(s), "rows": rows}
 
 

@@ -393,7 +393,7 @@ def main() -> int:
         metrics = {"ours": sorted(metric_names(ours.url)),
                    "vllm": sorted(metric_names(theirs.url))}
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": "python -m bench.vllm_diff", "machine": machine(),
+           "command": "python -m bench.vllm_diff", "machine": machine(with_vllm=True),
            "same_prompt_ids": same_prompts, "agreement": agreement,
            "divergences": divergences, "wire": wire, "metrics": metrics,
            "undocumented": undocumented(wire)}

@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     given = argv if argv is not None else sys.argv[1:]
     rec = {"date": when.isoformat(timespec="seconds"),
            "command": " ".join(["python -m bench.vllm_steps", *given]),
-           "duration_s": time.perf_counter() - start, "machine": machine(),
+           "duration_s": time.perf_counter() - start, "machine": machine(with_vllm=True),
            "load_average_at_start": load_average, "steps": steps}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{when:%Y-%m-%d}-{socket.gethostname()}-vllm-steps"

@@ -81,6 +81,17 @@ def hf_tokens(loaded, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS)
     return out
 
 
+def token_runs(urls: dict[str, str], loaded) -> dict:
+    """PROMPT_SET through each server ({name: url}), then HF on the first
+    server's prompt ids: {"prompts": {name: ids per prompt}, "tokens":
+    {name: output ids per prompt, "hf": ...}}."""
+    served = {name: server_tokens(url, PROMPT_SET) for name, url in urls.items()}
+    prompts = {name: [r["prompt"] for r in runs] for name, runs in served.items()}
+    tokens = {name: [r["output"] for r in runs] for name, runs in served.items()}
+    tokens["hf"] = hf_tokens(loaded, next(iter(prompts.values())))
+    return {"prompts": prompts, "tokens": tokens}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first position where two token lists differ (a length too), or None."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -140,6 +151,18 @@ def first_divergence(urls: dict[str, str], loaded, prompt: list[int], a: list[in
                                         b[pos] if pos < len(b) else None],
             "top_logprobs": {**tops, "hf": hf}, "hf_margin": margin,
             "near_tie": margin < NEAR_TIE}
+
+
+def divergences(urls: dict[str, str], loaded, runs: dict) -> dict[str, list[dict]]:
+    """For each pair of token_agreement: first_divergence of every prompt
+    whose tokens differ (the prompt ids are the first server's)."""
+    prompts, tokens = next(iter(runs["prompts"].values())), runs["tokens"]
+    found = {}
+    for pair, entry in token_agreement(tokens).items():
+        a, b = pair.split(" vs ")
+        found[pair] = [first_divergence(urls, loaded, prompts[k], tokens[a][k], tokens[b][k])
+                       for k, _ in entry["diverging"]]
+    return found
 
 
 # ------------------------------------------------------------------- wire
@@ -376,26 +399,18 @@ def main() -> int:
     loaded = load_model("smollm2", dtype="float32", device="cpu")
     with ChapterServer("06", free_port(), ["--dtype", "float32"], logs / "ch06.log") as ours, \
             vllm_peer.VllmServer(free_port(), logs / "vllm.log", "float32") as theirs:
-        runs = {"ch06": server_tokens(ours.url, PROMPT_SET),
-                "vllm": server_tokens(theirs.url, PROMPT_SET)}
-        prompts = [r["prompt"] for r in runs["ch06"]]
-        same_prompts = prompts == [r["prompt"] for r in runs["vllm"]]
-        tokens = {"ch06": [r["output"] for r in runs["ch06"]],
-                  "vllm": [r["output"] for r in runs["vllm"]],
-                  "hf": hf_tokens(loaded, prompts)}
-        agreement = token_agreement(tokens)
-        divergences = {pair: [first_divergence({"ch06": ours.url, "vllm": theirs.url}, loaded,
-                                               prompts[k], tokens[pair.split()[0]][k],
-                                               tokens[pair.split()[2]][k])
-                              for k, _ in entry["diverging"]]
-                       for pair, entry in agreement.items()}
+        urls = {"ch06": ours.url, "vllm": theirs.url}
+        runs = token_runs(urls, loaded)
+        same_prompts = runs["prompts"]["ch06"] == runs["prompts"]["vllm"]
+        agreement = token_agreement(runs["tokens"])
+        found = divergences(urls, loaded, runs)
         wire = wire_differences(ours.url, theirs.url)
         metrics = {"ours": sorted(metric_names(ours.url)),
                    "vllm": sorted(metric_names(theirs.url))}
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "command": "python -m bench.vllm_diff", "machine": machine(with_vllm=True),
            "same_prompt_ids": same_prompts, "agreement": agreement,
-           "divergences": divergences, "wire": wire, "metrics": metrics,
+           "divergences": found, "wire": wire, "metrics": metrics,
            "undocumented": undocumented(wire)}
     stem = f"{rec['date'][:10]}-{rec['machine']['host']}-vllm-diff"
     out = ROOT / "bench" / "results" / f"{stem}.json"

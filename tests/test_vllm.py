@@ -32,15 +32,14 @@ def ours(start_server):
 
 
 @pytest.fixture(scope="module")
-def runs(ours, vllm_server, embedded) -> dict:
+def urls(ours, vllm_server) -> dict[str, str]:
+    return {"ch06": ours.url, "vllm": vllm_server.url}
+
+
+@pytest.fixture(scope="module")
+def runs(urls, embedded) -> dict:
     """The prompt set through both servers, and HF on the same prompt ids."""
-    served = {"ch06": vllm_diff.server_tokens(ours.url, vllm_diff.PROMPT_SET),
-              "vllm": vllm_diff.server_tokens(vllm_server.url, vllm_diff.PROMPT_SET)}
-    prompts = [r["prompt"] for r in served["ch06"]]
-    return {"prompts": prompts, "vllm_prompts": [r["prompt"] for r in served["vllm"]],
-            "tokens": {"ch06": [r["output"] for r in served["ch06"]],
-                       "vllm": [r["output"] for r in served["vllm"]],
-                       "hf": vllm_diff.hf_tokens(embedded, prompts)}}
+    return vllm_diff.token_runs(urls, embedded)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_prompt_set_is_the_courses():
 @needs_vllm
 def test_same_chat_template(runs):
     """Both servers turn every conversation into the same prompt ids."""
-    assert runs["prompts"] == runs["vllm_prompts"]
+    assert runs["prompts"]["ch06"] == runs["prompts"]["vllm"]
 
 
 @needs_vllm
@@ -68,19 +67,15 @@ def test_ch06_tokens_equal_hf(runs):
 
 
 @needs_vllm
-def test_vllm_tokens_equal_ours_or_part_at_a_near_tie(runs, ours, vllm_server, embedded):
+def test_vllm_tokens_equal_ours_or_part_at_a_near_tie(runs, urls, embedded):
     """vLLM's greedy tokens equal chapter 06's and HF's; where they part, HF's
     two best tokens there are within float32 rounding (NEAR_TIE), so the
     kernels' summation order decides, not a bug."""
-    tokens = runs["tokens"]
-    agreement = vllm_diff.token_agreement(tokens)
-    urls = {"ch06": ours.url, "vllm": vllm_server.url}
+    agreement = vllm_diff.token_agreement(runs["tokens"])
+    found = vllm_diff.divergences(urls, embedded, runs)
     for pair in ("ch06 vs vllm", "vllm vs hf"):
-        a, b = pair.split(" vs ")
-        for k, _ in agreement[pair]["diverging"]:
-            found = vllm_diff.first_divergence(urls, embedded, runs["prompts"][k],
-                                               tokens[a][k], tokens[b][k])
-            assert found["near_tie"], (pair, k, found)
+        for divergence in found[pair]:
+            assert divergence["near_tie"], (pair, divergence)
     assert agreement["ch06 vs vllm"]["agreement"] >= 0.9, agreement
 
 

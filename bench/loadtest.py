@@ -231,6 +231,15 @@ def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: 
 
 
 # ------------------------------------------------- starting a chapter server
+def kill_process_group(pid: int) -> None:
+    """SIGKILL whatever is left of the process group a `start_new_session`
+    child leads (its workers); nothing if the group is gone already."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class ServerProcess:
     """Start a server command on a port, wait until its /health answers 200,
     stop it. `name` says which server in the errors. The server runs in a
@@ -283,10 +292,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the group is gone already
-            pass
+        kill_process_group(self.process.pid)
         self._log.close()
 
     def __enter__(self):

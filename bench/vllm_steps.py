@@ -42,7 +42,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -53,7 +52,7 @@ from pathlib import Path
 import requests
 
 from bench.bench import bf16_words, machine
-from bench.loadtest import ROOT, ChapterServer, free_port
+from bench.loadtest import ROOT, ChapterServer, free_port, kill_process_group
 from bench.tensor_parallel import wait_for_quiet_machine
 from bench.vllm_peer import (
     DEFAULT_KV_GB,
@@ -139,13 +138,10 @@ def run_command(command: list[str], env: dict[str, str] | None = None,
         output, _ = process.communicate(stdin, timeout=timeout)
         rc = process.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_process_group(process.pid)
         output, _ = process.communicate()
         rc, output = None, output + f"\n[killed after {timeout:.0f} s]"
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kill_process_group(process.pid)
     return {"rc": rc, "seconds": time.perf_counter() - start, "output": output}
 
 

@@ -673,6 +673,27 @@ def test_tokenizing_a_prompt_does_not_block_the_event_loop(local):
     assert results[0].status_code == 200
 
 
+def test_stats_metrics_and_health_never_wait_for_a_step(local):
+    """/stats and /metrics read the figures published after the last step,
+    and /health runs on the event loop: while a step holds the engine (here
+    for as long as the test likes), 60 clients polling /stats cannot take
+    the worker threads that /health or a chat template would need."""
+    with local.engine._lock:  # a step that does not end
+        def poll() -> int:
+            return requests.get(local.url + "/stats", timeout=60).status_code
+
+        results, threads = in_threads(60, poll)
+        for t in threads:
+            t.join()
+        assert results == [200] * 60
+        assert requests.get(local.url + "/metrics", timeout=60).status_code == 200
+        assert requests.get(local.url + "/health", timeout=60).json() == {"status": "ok"}
+        queued, chat_threads = in_threads(1, lambda: local_chat(local))
+        wait_for(lambda: local.engine._inbox.qsize() == 1, "the chat templated and queued")
+    chat_threads[0].join()
+    assert queued[0].status_code == 200
+
+
 def test_engine_death_503_for_everyone_then_the_server_exits_with_1(embedded):
     local = LocalServer(embedded)
     try:

@@ -16,6 +16,9 @@ class: they never touch the engine's scheduler or blocks.
   the ranks are out of step for good.
 - `num_waiting()` counts the requests that would not run at the next step:
   what a server's backpressure (`--max-waiting`, ch06) needs.
+- `snapshot()` (what `/stats` and `/metrics` show) reads the figures the
+  loop published after its last step: it never waits for a step, so a
+  client polling `/stats` cannot slow the engine or the other requests.
 
 Left out: a separate engine process (vLLM v1's EngineCore over ZeroMQ).
 """
@@ -56,7 +59,7 @@ class AsyncLLMEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
-        self._lock = threading.Lock()  # held during a step; snapshot() waits for it
+        self._lock = threading.Lock()  # held during a step; close() waits for it
         self.dead: BaseException | None = None
         self.died = threading.Event()
         # For num_waiting(); each counter has one writer thread.
@@ -64,6 +67,9 @@ class AsyncLLMEngine:
         self._num_drained = 0  # requests taken out and stepped (the engine thread)
         self._left_waiting = 0  # queued after the last step (the engine thread)
         self._free_slots = self.max_num_seqs  # sequence slots free after the last step
+        # The engine's figures after the last step: replaced whole (never
+        # changed in place), so readers on other threads need no lock.
+        self._published: dict = engine.snapshot()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -119,8 +125,8 @@ class AsyncLLMEngine:
             self.engine.close()
 
     def snapshot(self) -> dict:
-        with self._lock:
-            stats = self.engine.snapshot()
+        """The engine's figures as of its last step (no lock, no waiting)."""
+        stats = dict(self._published)
         stats["engine_alive"] = self.alive
         stats["engine_error"] = None if self.dead is None else repr(self.dead)
         return stats
@@ -193,6 +199,7 @@ class AsyncLLMEngine:
                     self._left_waiting = len(self.engine.scheduler.waiting)
                     self._free_slots = self.max_num_seqs - len(self.engine.scheduler.running)
                     self._num_drained += added
+                    self._published = self.engine.snapshot()
                 for output in outputs:
                     if output.finish_reason == "error":
                         self._send(output.request_id, RequestFailedError(output.error))

@@ -351,7 +351,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "transformers": transformers.__version__}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    def metrics() -> Response:  # plain def: the scrape waits for the step lock in a thread
+    async def metrics() -> Response:  # reads the last step's snapshot: never waits
         body, content_type = serving.metrics.render()
         return Response(body, media_type=content_type)
 

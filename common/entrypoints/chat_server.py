@@ -179,7 +179,7 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
                                          max_model_len=max_model_len)])
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:  # on the event loop: no worker thread needed
         return {"status": "ok"}
 
     @app.post("/v1/chat/completions")
@@ -427,7 +427,7 @@ def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
                                          max_model_len=serving.max_model_len)])
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:  # on the event loop: no worker thread needed
         if not engine.alive:
             raise engine_error(EngineDeadError(f"the engine loop has died: {engine.dead!r}"))
         return {"status": "ok"}
@@ -436,7 +436,9 @@ def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
     async def chat(req: ChatCompletionRequest, request: Request):
         return await serving.chat(req, request)
 
-    app.get("/stats")(engine.snapshot)  # a plain def: waits for the step lock in a thread
+    @app.get("/stats")
+    async def stats() -> dict:  # the figures published after the last step: no waiting
+        return engine.snapshot()
 
 
 # ------------------------------------------------------- command line

@@ -4,8 +4,9 @@ Two kinds of figures:
 
 - what the engine already counts (queues, KV usage, tokens, preemptions,
   prefix-cache hits, finished requests) is read from `engine.snapshot()`
-  at scrape time by a custom collector, so the engine loop does no extra
-  work and the numbers can never drift from `/stats`;
+  at scrape time by a custom collector: the figures the engine loop
+  published after its last step, the same as `/stats` shows, read without
+  waiting for a step;
 - latencies are observed by the server as each request's outputs arrive:
   time to first token, inter-token latency, end-to-end latency, and the
   time spent waiting in the queue before the first step.

@@ -34,6 +34,9 @@ class EngineConfig:
     # The scheduler (ch05).
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Most prompt tokens one request feeds per step; None: half the step's
+    # budget (vLLM: 0, no cap, unless --max-num-partial-prefills > 1).
+    long_prefill_token_threshold: int | None = None
     enforce_eager: bool = False  # ch05 on CUDA: no CUDA graphs
     # The levers of `vllm serve` (ch06).
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
@@ -43,6 +46,13 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def prefill_cap(self) -> int:
+        """`--long-prefill-token-threshold`, resolved (0: no cap)."""
+        if self.long_prefill_token_threshold is None:
+            return self.max_num_batched_tokens // 2
+        return self.long_prefill_token_threshold
 
 
 def add_engine_args(parser: argparse.ArgumentParser,
@@ -86,6 +96,10 @@ def add_engine_args(parser: argparse.ArgumentParser,
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=d.max_num_batched_tokens,
                    help="most tokens in one forward pass (ch03+)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request feeds per step, so that a long "
+                        "prompt leaves room for newcomers (ch05; default: half of "
+                        "--max-num-batched-tokens; 0: no cap, vLLM's default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (CUDA only; the CPU is always eager)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],

@@ -45,9 +45,9 @@ def fail_rows_seeded(engine, seed: int = 666) -> None:
     sampler = engine.runner.sampler
     original = sampler._sample_row
 
-    def faulty(row, params, *args):
-        if params.seed == seed:
+    def faulty(row, state):
+        if state.params.seed == seed:
             raise IndexError("simulated fault in one row")
-        return original(row, params, *args)
+        return original(row, state)
 
     sampler._sample_row = faulty

@@ -1,6 +1,7 @@
 """Chapter 05: continuous batching, preemption, chunked prefill, abort, LLM."""
 import http.client
 import json
+import threading
 
 import pytest
 import requests
@@ -196,6 +197,34 @@ def test_a_dropped_non_streaming_request_is_aborted(ch05_server):
     final = stats()
     assert final["kv_used_slots"] == 0
     assert final["finished"].get("abort", 0) == aborted_before + 1
+
+
+def test_a_long_prefill_does_not_starve_a_newcomer(ch05_server):
+    """A 3,000-token prompt takes 12 steps of 256 tokens (the default cap,
+    half the 512-token budget), not 6 of 512: a short request sent once it
+    runs gets its answer while the long one is still prefilling (the engine
+    has generated exactly one token since: the newcomer's). Without the
+    cap it would wait for the whole prefill, and both would sample in the
+    same step."""
+    def stats():
+        return requests.get(ch05_server.url + "/stats", timeout=60).json()
+
+    long_messages = [{"role": "user", "content": "Summarize: " + "the sea is blue. " * 600}]
+    url = ch05_server.url + "/v1/chat/completions"
+    generated_before = stats()["generation_tokens"]
+    long_answer: list = []
+    thread = threading.Thread(target=lambda: long_answer.append(requests.post(
+        url, json={"messages": long_messages, "max_tokens": 2, "temperature": 0},
+        timeout=600)))
+    thread.start()
+    wait_for(lambda: stats()["running"] == 1, "the long prompt to run", timeout=300)
+    short = requests.post(url, json={"messages": PROMPTS[0], "max_tokens": 1,
+                                     "temperature": 0}, timeout=600)
+    generated_since = stats()["generation_tokens"] - generated_before
+    thread.join()
+    assert short.status_code == 200 and long_answer[0].status_code == 200
+    assert long_answer[0].json()["usage"]["prompt_tokens"] > 2500
+    assert generated_since == 1  # the long prompt had not sampled yet
 
 
 def test_ch05_hostile_input_amid_good_requests(ch05_server):

@@ -21,10 +21,11 @@ def make(impl):
     """make(cls, ...) -> a scheduler on a fresh block manager; cls defaults to
     the continuous scheduler under test (the reference or the learner's)."""
     def build(cls=None, num_blocks=16, block_size=4, max_num_seqs=8,
-              max_num_batched_tokens=64):
+              max_num_batched_tokens=64, long_prefill_token_threshold=0):
         bm = BlockManager(num_blocks, block_size)
-        return (cls or impl.ContinuousScheduler)(bm, max_num_seqs, max_num_batched_tokens,
-                                                 eos_token_ids={EOS}, max_model_len=1024)
+        return (cls or impl.ContinuousScheduler)(
+            bm, max_num_seqs, max_num_batched_tokens, eos_token_ids={EOS}, max_model_len=1024,
+            long_prefill_token_threshold=long_prefill_token_threshold)
     return build
 
 
@@ -152,6 +153,23 @@ def test_continuous_lets_a_late_request_join_at_the_next_step(make):
     sched.add(seq("late", 3))
     fed, _ = step(sched)
     assert fed == {"long": 1, "late": 3}
+
+
+@pytest.mark.ex05
+@pytest.mark.parametrize("cap, first_token_step", [(0, 5), (6, 2)])
+def test_a_long_prefill_leaves_room_for_a_newcomer(make, cap, first_token_step):
+    """A 40-token prompt, a budget of 10: without a cap it takes the whole
+    budget for 4 steps and a 3-token newcomer's first token waits for the
+    5th; capped at 6 tokens per step, the newcomer joins at once."""
+    sched = make(num_blocks=32, max_num_batched_tokens=10, long_prefill_token_threshold=cap)
+    long, late = seq("long", 40), seq("late", 3)
+    sched.add(long)
+    fed, _ = step(sched)
+    assert fed == {"long": cap or 10}
+    sched.add(late)
+    steps = steps_until(sched, lambda: late.num_output_tokens == 1)
+    assert steps + 1 == first_token_step
+    assert long.num_output_tokens == 0 or cap == 0  # the long prompt still prefilling
 
 
 def test_static_admission_reserves_the_worst_case(make):

@@ -20,7 +20,8 @@ goes back to the *front* of `waiting`, keeps its output tokens, and its
 prompt + outputs so far are prefilled again when it is readmitted.
 
 The engine builds it as `ContinuousScheduler(block_manager, max_num_seqs,
-max_num_batched_tokens, eos_token_ids, max_model_len)` and calls `add`,
+max_num_batched_tokens, eos_token_ids, max_model_len,
+long_prefill_token_threshold=...)` and calls `add`,
 `has_unfinished`, `schedule`, `update_from_output`, `finish`; it reads
 `running`, `waiting`, `num_preemptions` and `max_num_seqs`.
 
@@ -50,10 +51,13 @@ class ContinuousScheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, eos_token_ids: set[int] = frozenset(),
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, long_prefill_token_threshold: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs  # sequences in one step, at most
         self.max_num_batched_tokens = max_num_batched_tokens  # tokens in one step, at most
+        # Prompt tokens one sequence feeds in one step, at most (0: no cap),
+        # so that a long prompt leaves room for newcomers.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()  # first come, first served
@@ -83,13 +87,14 @@ class ContinuousScheduler:
         #    - make room for its next token: while not self.bm.can_append(seq),
         #      preempt the newest running sequence (self.running[-1]); if that
         #      was seq itself, seq does not run this step. Then self.bm.may_append(seq);
-        #    - it feeds min(tokens not computed yet, budget left).
+        #    - it feeds min(tokens not computed yet, budget left), and at most
+        #      self.long_prefill_token_threshold tokens when that is > 0.
         # 2. Only if nobody was preempted in this step (the cache is under
         #    pressure: do not add to it), admit from the front of `waiting`
         #    while there is budget, len(running) < max_num_seqs and
         #    self.bm.can_allocate(seq): popleft, self.bm.allocate(seq) (it sets
         #    num_computed_tokens to the cached prefix), status RUNNING, append
-        #    to running, feed min(tokens not computed yet, budget left).
+        #    to running, feed the same amount as in 1. (one helper serves both).
         #    Stop at the first one that does not fit (first come, first served).
         # Do not move num_computed_tokens here: update_from_output does,
         # once the step has run (ScheduledSeq.samples reads it as it is now).

@@ -46,7 +46,7 @@ from common.engine.sequence import Sequence
 from common.engine.tp_workers import RankReport, TPWorkers, start_ranks
 from common.layers.parallel import SINGLE_RANK, check_tensor_parallel
 from common.layers.quantization import quant_ops_for, quantize_model
-from common.layers.sampler import SampledToken
+from common.layers.sampler import RequestSamplingState, SampledToken
 from common.loader import LoadedModel, load_model
 from common.memory import Card, format_bytes
 from common.sampling_params import SamplingParams
@@ -152,8 +152,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
                                        config.max_num_batched_tokens, self.eos_token_ids,
-                                       self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.eos_token_ids,
+                                       self.max_model_len,
+                                       long_prefill_token_threshold=config.prefill_cap)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache,
                                   attention_ops, self.tp, self.workers)
         if self.loaded.device.type == "cuda" and not config.enforce_eager \
                 and attention_ops is None and tp_size == 1:  # graphs need the Triton kernels
@@ -202,8 +203,10 @@ class LLMEngine:
         if seed is None:  # unseeded requests still draw reproducibly per engine
             self._seed_counter += 1
             seed = self._seed_counter * 1_000_003
-        seq = Sequence(request_id, list(prompt_token_ids), params,
-                       generator=torch.Generator().manual_seed(seed))
+        sampling = RequestSamplingState(  # built once: see common/layers/sampler.py
+            params, prompt_token_ids, self.loaded.model.config.vocab_size,
+            sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling)
         self.sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)

@@ -59,8 +59,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, kv_cache: KVCache, eos_token_ids: set[int],
-                 attention_ops=None, tp=None, workers=None):
+    def __init__(self, hf_model, kv_cache: KVCache, attention_ops=None, tp=None, workers=None):
         """`tp`, `workers` (ch06): this rank's TPGroup, and on rank 0 the
         other ranks (tp_workers.TPWorkers), which run every step too."""
         self.model = build_forward(hf_model, attention_ops, tp)
@@ -69,7 +68,6 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(hf_model.parameters()).device
-        self.eos_token_ids = sorted(eos_token_ids)
         self.sampler = Sampler()
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
@@ -124,10 +122,7 @@ class ModelRunner:
         if logits is None:
             return {}
         seqs = [item.seq for item in batch if item.samples]
-        sampled = self.sampler(
-            logits, [s.params for s in seqs], [s.generator for s in seqs],
-            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            banned=[self._banned(s) for s in seqs])
+        sampled = self.sampler(logits, [s.sampling for s in seqs])
         return dict(zip(seqs, sampled))
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -136,9 +131,3 @@ class ModelRunner:
                                    -(-max_model_len // self.block_size), self.block_size,
                                    self.device)
         self.graphs.capture()
-
-    def _banned(self, seq) -> list[int]:
-        """EOS may not be picked before min_tokens."""
-        if seq.num_output_tokens < seq.params.min_tokens and not seq.params.ignore_eos:
-            return self.eos_token_ids + list(seq.params.stop_token_ids)
-        return []

@@ -20,7 +20,11 @@ each subclass makes:
   output so far) are recomputed later.
 
 Chunked prefill: a prompt longer than the step's token budget is fed over
-several steps; it only samples once its last chunk is in.
+several steps; it only samples once its last chunk is in. A long prompt
+feeds at most `long_prefill_token_threshold` tokens per step (vLLM's
+`--long-prefill-token-threshold`), so it cannot take a whole step's budget
+while newcomers wait: their first token comes after one step, not after
+the long prompt's whole prefill.
 
 After the model has run, `update_from_output` advances each sequence's
 `num_computed_tokens`, appends the sampled tokens, finishes the sequences
@@ -29,7 +33,8 @@ that hit EOS, a stop token id or their length, and frees their blocks.
 engine then calls `finish`.)
 
 Left out: priorities, swapping preempted blocks to CPU memory, a
-watermark of spare blocks, fairness between clients.
+watermark of spare blocks, fairness between clients beyond the prefill cap
+(vLLM's `--max-num-partial-prefills`).
 """
 from __future__ import annotations
 
@@ -57,10 +62,11 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, eos_token_ids: set[int] = frozenset(),
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, long_prefill_token_threshold: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -85,12 +91,20 @@ class Scheduler:
                 continue  # preempted a moment ago to make room for an older one
             if not self.make_room(seq):
                 continue  # seq itself was the newest: preempted
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks
+            num_new = self.num_new_tokens(seq, budget)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         if self.num_preemptions == preemptions_before:  # ch05: no admission under pressure
             scheduled += self._admit(budget)
         return scheduled
+
+    def num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` feeds this step: what it has not computed yet,
+        within the step's budget and the cap on a long prompt's chunk."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks
+        if 0 < self.long_prefill_token_threshold < num_new:  # ch05: room for newcomers
+            num_new = self.long_prefill_token_threshold
+        return num_new
 
     def make_room(self, seq: Sequence) -> bool:
         """A slot for seq's next token. False if seq could not get one."""
@@ -117,7 +131,7 @@ class Scheduler:
             self.bm.allocate(seq)  # sets num_computed_tokens to the cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks
+            num_new = self.num_new_tokens(seq, budget)
             admitted.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return admitted
@@ -169,6 +183,10 @@ class Scheduler:
 
 class StaticScheduler(Scheduler):  # ch03-04: static batching
     """ch03-04: whole batches, each reserved at its worst case."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.long_prefill_token_threshold = 0  # no cap: newcomers wait for the batch anyway
 
     def start_admission(self) -> bool:
         self._free_at_start, self._reserved = self.bm.num_free_blocks, 0

@@ -21,9 +21,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from common.layers.sampler import SampledToken
+from common.layers.sampler import RequestSamplingState, SampledToken
 from common.sampling_params import SamplingParams
 
 
@@ -49,7 +47,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # what went wrong, when finish_reason is "error"
-    generator: torch.Generator | None = None
+    sampling: RequestSamplingState | None = None  # built by the engine (None: scheduler tests)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -58,6 +56,7 @@ class Sequence:
         # Prompt + output in one list, appended once per token: the runner
         # slices it each step without rebuilding it.
         self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)  # once, not a list per step
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +74,8 @@ class Sequence:
         self.token_ids.append(sampled.token_id)
         self.output_token_ids.append(sampled.token_id)
         self.output_logprobs.append(sampled)
+        if self.sampling is not None:
+            self.sampling.append(sampled.token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
@@ -83,7 +84,7 @@ class Sequence:
         (Stop *strings* are checked on the text, by the output processor.)"""
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens:
-            if last in self.params.stop_token_ids:
+            if last in self.stop_token_ids:
                 return "stop"
             if not self.params.ignore_eos and last in eos_token_ids:
                 return "stop"

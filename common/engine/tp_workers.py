@@ -120,7 +120,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, block_size: int,
                             config.seed)
         shard_llama_for_rank(loaded.model, rank, world_size)  # keep this rank's share
         _card, kv_cache, report = build_rank(config, loaded, tp, block_size, num_blocks)
-        runner = ModelRunner(loaded.model, kv_cache, set(), tp=tp)
+        runner = ModelRunner(loaded.model, kv_cache, tp=tp)
         conn.send(report)
         serve_steps(conn, runner)
     except Exception as exc:  # noqa: BLE001 - tell rank 0, then exit non-zero

@@ -9,8 +9,14 @@ One row's failure is that row's alone: the sampler returns a
 `SamplingFailed` for it, the engine finishes that request with an error,
 and the other rows of the batch get their tokens.
 
-Left out: beam search, best_of, guided decoding; penalties are recounted
-from the token lists at every step (vLLM keeps count tensors on the GPU).
+What a request's parameters need is built once, when the request starts
+(`RequestSamplingState`, as vLLM V1's persistent batch keeps it), then
+updated by one token per step: so a request with a 49,152-entry
+`logit_bias`, a long prompt under a repetition penalty or hundreds of
+`stop_token_ids` costs the other requests' steps no more than a plain one.
+
+Left out: beam search, best_of, guided decoding; rows are sampled one by
+one (vLLM samples the whole batch with tensors on the GPU).
 """
 from __future__ import annotations
 
@@ -34,21 +40,74 @@ class SamplingFailed:
     error: Exception
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams,
-                    prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
-    """logits: (vocab,). OpenAI's presence/frequency penalties count output
-    tokens; the repetition penalty (vLLM, HF) covers prompt and output."""
-    logits = logits.clone()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output_ids).unique(return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype)
-        logits[ids] -= params.presence_penalty
-    return logits
+class RequestSamplingState:
+    """One request's sampling tensors, built once when it is added, then
+    updated as it gets each token (`append`). Each is built only if the
+    request's parameters need it:
+
+    - `bias`: OpenAI's logit_bias as a dense row, (vocab,);
+    - `output_counts`: times each token was generated, (vocab,): the
+      presence and frequency penalties;
+    - `seen`: tokens of the prompt or the output, (vocab,) bool: the
+      repetition penalty;
+    - `min_tokens_ban`: the ids that may not end the answer before
+      `min_tokens` (EOS and the stop token ids).
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
+                 eos_token_ids: list[int] = (), generator: torch.Generator | None = None):
+        self.params = params
+        self.generator = generator
+        self.num_output_tokens = 0
+        self.bias = self.output_counts = self.seen = self.min_tokens_ban = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size)  # (vocab,)
+            self.bias[list(params.logit_bias)] = torch.tensor(list(params.logit_bias.values()))
+        if params.presence_penalty or params.frequency_penalty:
+            self.output_counts = torch.zeros(vocab_size)  # (vocab,)
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # (vocab,)
+            self.seen[prompt_ids] = True
+        if params.min_tokens and not params.ignore_eos:
+            self.min_tokens_ban = torch.tensor(
+                sorted(set(eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
+
+    def append(self, token_id: int) -> None:
+        """The request got `token_id`: one entry of each tensor changes."""
+        self.num_output_tokens += 1
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+        if self.seen is not None:
+            self.seen[token_id] = True
+
+    @property
+    def banned_now(self) -> bool:
+        return (self.min_tokens_ban is not None
+                and self.num_output_tokens < self.params.min_tokens)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Nothing to adjust or report: a batched argmax serves this row."""
+        return self.params.plain_greedy and not self.banned_now
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: (vocab,) -> a new row with the penalties, the bias and
+        the ban applied (the repetition penalty, vLLM's and HF's, covers
+        prompt and output; OpenAI's presence and frequency penalties count
+        the output; the bias is added to the penalized logits)."""
+        p = self.params
+        if self.seen is not None:
+            penalized = torch.where(logits > 0, logits / p.repetition_penalty,
+                                    logits * p.repetition_penalty)
+            logits = torch.where(self.seen, penalized, logits)
+        if self.output_counts is not None:
+            logits = logits - p.frequency_penalty * self.output_counts
+            logits = logits - p.presence_penalty * (self.output_counts > 0).float()
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.banned_now:
+            logits = logits.index_fill(0, self.min_tokens_ban, float("-inf"))
+        return logits
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -79,52 +138,38 @@ def _top_logprobs(logprobs: torch.Tensor, token_id: int, k: int | None) -> Sampl
 
 
 class Sampler:
-    """Pick one token per row of logits, each row with its own parameters."""
+    """Pick one token per row of logits, each row with its own request's state."""
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
-                 prompt_ids: list[list[int]], output_ids: list[list[int]],
-                 banned: list[list[int]] | None = None) -> list[SampledToken | SamplingFailed]:
-        """logits: (num_seqs, vocab). `banned[i]`: token ids that row i may not
-        pick now (EOS before `min_tokens`)."""
+    def __call__(self, logits: torch.Tensor, states: list[RequestSamplingState]
+                 ) -> list[SampledToken | SamplingFailed]:
+        """logits: (num_seqs, vocab); `states[i]`: row i's request."""
         logits = logits.float().cpu()
-        banned = banned or [[] for _ in params]
-        results: list[SampledToken | SamplingFailed | None] = [None] * len(params)
+        results: list[SampledToken | SamplingFailed | None] = [None] * len(states)
         # Plain greedy rows (no penalty, bias, ban or logprobs) need only an
         # argmax: one call for all of them instead of one per row.
-        plain = [i for i, p in enumerate(params) if p.plain_greedy and not banned[i]]
+        plain = [i for i, state in enumerate(states) if state.plain_greedy]
         if plain:
-            rows = logits if len(plain) == len(params) else logits[plain]
+            rows = logits if len(plain) == len(states) else logits[plain]
             tokens = rows.argmax(dim=-1).tolist()  # (num_plain,)
             for i, token in zip(plain, tokens):
                 results[i] = SampledToken(token)
-        for i, p in enumerate(params):
+        for i, state in enumerate(states):
             if results[i] is None:
                 try:
-                    results[i] = self._sample_row(logits[i], p, generators[i], prompt_ids[i],
-                                                  output_ids[i], banned[i])
+                    results[i] = self._sample_row(logits[i], state)
                 except Exception as exc:  # noqa: BLE001 - this row's error, not the batch's
                     results[i] = SamplingFailed(exc)
         return results
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
-                    prompt_ids: list[int], output_ids: list[int],
-                    banned: list[int]) -> SampledToken:
+    def _sample_row(row: torch.Tensor, state: RequestSamplingState) -> SampledToken:
         """row: (vocab,) logits of one sequence -> its token (and logprobs)."""
-        if p.needs_penalties:
-            row = apply_penalties(row, p, prompt_ids, output_ids)
-        if p.logit_bias or banned:
-            row = row.clone()
-        if p.logit_bias:  # OpenAI's logit_bias: added to the penalized logits
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
-        if banned:
-            row[banned] = float("-inf")
+        p = state.params
+        row = state.adjust(row)
         logprobs = torch.log_softmax(row, dim=-1) if p.logprobs is not None else None
         if p.greedy:
             token = int(torch.argmax(row))
         else:
             probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            token = int(torch.multinomial(probs, 1, generator=state.generator))
         return _top_logprobs(logprobs, token, p.logprobs)

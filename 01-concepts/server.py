@@ -32,7 +32,7 @@ def main() -> int:
     app = build_chat_app(
         "Chapter 01: generation by hand", args.served_model_name or args.model,
         args.max_model_len or lm.max_model_len, lm.tokenizer, generate, serialize=True)
-    return serve(app, args.host, args.port)
+    return serve(app, args)
 
 
 if __name__ == "__main__":

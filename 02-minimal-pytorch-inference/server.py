@@ -17,14 +17,16 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import anyio  # noqa: E402
 import torch  # noqa: E402
+from fastapi import Request  # noqa: E402
 from pydantic import ConfigDict, Field  # noqa: E402
-from transformers import StaticCache  # noqa: E402
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from common.autoregressive import eos_token_ids  # noqa: E402
 from common.entrypoints.chat_server import (check_context, check_model_name, log,  # noqa: E402
                                             parse_server_args, serve, server_parser)
-from common.entrypoints.protocol import (INT64_MAX, INT64_MIN, ChatChoice,  # noqa: E402
+from common.entrypoints.protocol import (INT64_MAX, INT64_MIN, APIError, ChatChoice,  # noqa: E402
                                          ChatCompletionResponse, ModelCard, ModelList,
                                          ResponseMessage, StrictModel, Text, Usage, new_app,
                                          new_id)
@@ -42,7 +44,7 @@ max_model_len = args.max_model_len or lm.max_model_len
 eos = list(eos_token_ids(model, tokenizer))
 
 card = Card(lm.device, args.device_memory_gb, args.gpu_memory_utilization)
-card.charge_weights(model)
+room_for_requests = card.budget_bytes - card.charge_weights(model)  # what any request may get
 kv_per_request = static_cache_bytes(model.config, lm.dtype, max_model_len)
 print(f"[ch02] {card.describe()}; each request reserves {format_bytes(kv_per_request)} "
       f"of KV cache ({max_model_len} tokens)", flush=True)
@@ -68,8 +70,24 @@ class ChatCompletionRequest(StrictModel):
     ignore_eos: bool = False  # vLLM's extra: the load test writes a fixed number of tokens
 
 
+class ClientGone(StoppingCriteria):
+    """Ends `model.generate` once the client has hung up (asked of the event
+    loop at most every 0.25 s), so an abandoned request frees its reservation."""
+
+    def __init__(self, request: Request):
+        self.request, self.gone, self.checked_at = request, False, time.monotonic()
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if not self.gone and time.monotonic() - self.checked_at > 0.25:
+            self.checked_at = time.monotonic()
+            self.gone = anyio.from_thread.run(self.request.is_disconnected)
+            if self.gone:
+                log.info("[ch02] client disconnected: generation stopped")
+        return torch.full((input_ids.shape[0],), self.gone, dtype=torch.bool)
+
+
 @app.post("/v1/chat/completions")
-def chat_completions(req: ChatCompletionRequest) -> ChatCompletionResponse:
+def chat_completions(req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
     # Problem 3: no queue. A plain `def` = one worker thread per request, all
     # of them racing for the same card.
     check_model_name(req.model, MODEL_NAME)  # 404 for another model, as OpenAI answers
@@ -78,6 +96,11 @@ def chat_completions(req: ChatCompletionRequest) -> ChatCompletionResponse:
     check_context(len(prompt_ids), max_tokens, max_model_len, "messages")
     # Problem 4: reserve the worst case (max_model_len), whatever the prompt.
     activations = activation_bytes_estimate(model.config, len(prompt_ids), lm.dtype)
+    if kv_per_request + activations > room_for_requests:  # not even on an idle card
+        raise APIError(400, f"This prompt ({len(prompt_ids)} tokens) needs "
+                       f"{format_bytes(kv_per_request + activations)} for its static KV cache "
+                       f"and activations; the card can never give one request more than "
+                       f"{format_bytes(room_for_requests)}.", param="messages")
     with card.reserve(kv_per_request + activations,
                       f"a static KV cache of {max_model_len} tokens + activations"):
         log.info("[ch02] reserved %s for a request: %s", format_bytes(kv_per_request),
@@ -93,7 +116,8 @@ def chat_completions(req: ChatCompletionRequest) -> ChatCompletionResponse:
             input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
             max_new_tokens=max_tokens, min_new_tokens=max_tokens if req.ignore_eos else 0,
             do_sample=sampled, temperature=req.temperature if sampled else None,
-            top_p=req.top_p, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+            top_p=req.top_p, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([ClientGone(request)]))
     new_ids = output[0, len(prompt_ids):].tolist()
     log.info("[ch02] request done: %d prompt + %d new tokens used %.2f%% of the %d "
              "reserved slots", len(prompt_ids), len(new_ids),
@@ -120,4 +144,4 @@ def health() -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(app, args.host, args.port))
+    sys.exit(serve(app, args))

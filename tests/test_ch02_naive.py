@@ -1,8 +1,11 @@
 """Chapter 02: the card, the naive server, the load test and the OOM demo."""
 import gc
+import http.client
+import json
 import threading
 
 import pytest
+import requests
 import torch
 from transformers import GPT2Config, LlamaConfig
 
@@ -112,3 +115,38 @@ def test_a_temperature_below_sampling_eps_is_greedy(ch02):
                                               max_tokens=8, temperature=t, seed=1)
                for t in (0.0, 1e-300, 5e-324)]
     assert len({a.choices[0].message.content for a in answers}) == 1
+
+
+def test_a_prompt_that_can_never_fit_the_card_is_a_400(ch02):
+    """The activation estimate grows with the prompt's square: past ~550
+    tokens no request fits the demo card even alone. Refused at admission
+    (400, `messages`) instead of a 500 out-of-memory on an idle server."""
+    long_prompt = [{"role": "user", "content": "the sea is blue. " * 150}]  # ~600 tokens
+    response = requests.post(ch02.url + "/v1/chat/completions",
+                             json={"messages": long_prompt, "max_tokens": 4}, timeout=300)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "can never" in error["message"]
+    short = requests.post(ch02.url + "/v1/chat/completions",
+                          json={"messages": PROMPTS[0], "max_tokens": 4}, timeout=300)
+    assert short.status_code == 200
+
+
+def test_a_client_that_hangs_up_gives_its_reservation_back(ch02):
+    """A client asks for 4,000 tokens, then hangs up once its reservation is
+    in the log: `generate` stops at the next disconnect check (a
+    StoppingCriteria), the reservation is released, and the next request
+    is served instead of getting the card's out-of-memory for minutes."""
+    log = ch02.log_path
+    reserved, done = log.read_text().count("reserved"), log.read_text().count("request done")
+    body = json.dumps({"messages": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True})
+    conn = http.client.HTTPConnection(*ch02.url.split("//")[1].split(":"), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    wait_for(lambda: log.read_text().count("reserved") > reserved, "the reservation")
+    conn.close()  # the client hangs up
+    wait_for(lambda: log.read_text().count("request done") > done, "generate to stop",
+             timeout=60)
+    assert "client disconnected: generation stopped" in log.read_text()
+    reply = requests.post(ch02.url + "/v1/chat/completions",
+                          json={"messages": PROMPTS[0], "max_tokens": 4}, timeout=300)
+    assert reply.status_code == 200, reply.text

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import select
+import signal
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -19,7 +22,7 @@ import requests
 
 from common.engine.async_llm import AsyncLLMEngine
 from common.entrypoints.api_server import build_app
-from common.entrypoints.chat_server import exit_code, make_server
+from common.entrypoints.launcher import exit_code, make_server
 from common.entrypoints.metrics import Metrics
 from common.loader import apply_chat_template
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
@@ -498,13 +501,15 @@ class LocalServer:
     uvicorn in a thread of this process (`make_server`, as `serve` does:
     it shuts down when the engine loop dies)."""
 
-    def __init__(self, loaded=None, max_num_seqs: int = 64, engine=None, **app_kw):
+    def __init__(self, loaded=None, max_num_seqs: int = 64, engine=None,
+                 timeout_read: float = 30.0, **app_kw):
         self.engine = engine or AsyncLLMEngine(make_engine(loaded, num_blocks=64,
                                                            max_num_seqs=max_num_seqs))
-        port = free_port()
+        self.port = port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = make_server(build_app(self.engine, "local", **app_kw), "127.0.0.1", port,
-                                  self.engine if engine is None else None, log_level="warning")
+                                  self.engine if engine is None else None, log_level="warning",
+                                  timeout_read=timeout_read)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -692,6 +697,96 @@ def test_stats_metrics_and_health_never_wait_for_a_step(local):
         wait_for(lambda: local.engine._inbox.qsize() == 1, "the chat templated and queued")
     chat_threads[0].join()
     assert queued[0].status_code == 200
+
+
+# ------------------------------------------------- slow and half-open clients
+def raw_connection(server, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(data)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    sock.close()
+    return received
+
+
+def assert_408(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 200\r\n")
+
+
+def test_half_sent_requests_get_408_and_lose_their_socket_while_others_are_served(embedded):
+    """--timeout-read (1 s here): nothing sent, half a head, a whole head but
+    half a body, a second request half sent on a kept-alive connection, and
+    one byte every 0.2 s (each byte does not restart the clock): each gets a
+    408 in OpenAI's envelope and its connection is closed, while 40 more
+    half-open sockets leave a good request answered."""
+    local = LocalServer(embedded, timeout_read=1.0)
+    try:
+        hoarded = [raw_connection(local, HEAD) for _ in range(40)]
+        assert local_chat(local).status_code == 200
+        for data in (b"", HEAD, HEAD + b"\r\n" + b'{"messages": ['):
+            assert_408(read_until_closed(raw_connection(local, data)))
+        kept = raw_connection(local, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}'):  # the whole first response
+            answer += kept.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        kept.sendall(HEAD)
+        assert_408(read_until_closed(kept))
+        drip = raw_connection(local)
+        answer = b""
+        for byte in HEAD:  # 1 byte / 0.2 s: the server hangs up long before the end
+            try:
+                drip.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.2)
+            if select.select([drip], [], [], 0)[0]:
+                answer = read_until_closed(drip)
+                break
+        assert_408(answer)
+        for sock in hoarded:
+            assert_408(read_until_closed(sock))
+    finally:
+        local.stop()
+
+
+def test_sigterm_is_bounded_by_shutdown_timeout_and_exits_0(start_server, tmp_path):
+    """SIGTERM with a request in flight and 20 half-open connections (whose
+    read deadline is far away): the server stops within --shutdown-timeout,
+    closes the engine and exits 0 (uvicorn alone re-raised the signal: 143,
+    and nothing after `run()` executed)."""
+    server = start_server("06", "--timeout-read", "600", "--shutdown-timeout", "2")
+    hoarded = [socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+               for _ in range(20)]
+    for sock in hoarded:
+        sock.sendall(HEAD + b"\r\n{")
+    def long_request():
+        try:
+            return requests.post(server.url + "/v1/chat/completions", timeout=300,
+                                 json={"messages": CHAT, "max_tokens": 4000, "ignore_eos": True})
+        except requests.ConnectionError as exc:  # cancelled after --shutdown-timeout
+            return exc
+
+    in_flight, threads = in_threads(1, long_request)
+    wait_for(lambda: requests.get(server.url + "/stats").json()["running"] == 1, "a request")
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=120) == 0
+    threads[0].join()
+    assert "server stopped" in server.log_tail(40)
+    for sock in hoarded:
+        sock.close()
 
 
 def test_engine_death_503_for_everyone_then_the_server_exits_with_1(embedded):

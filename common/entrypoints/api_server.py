@@ -55,10 +55,10 @@ from common.entrypoints.chat_server import (
     engine_error,
     merge_choices,
     parse_server_args,
-    serve,
     server_parser,
     usage,
 )
+from common.entrypoints.launcher import serve
 from common.entrypoints.metrics import Metrics
 from common.entrypoints.protocol import (
     APIError,
@@ -381,7 +381,7 @@ def main() -> int:
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
-    return serve(app, args.host, args.port, engine)
+    return serve(app, args, engine)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ Two ways to answer `POST /v1/chat/completions`:
 Every chapter shares the rest: OpenAI's error envelope, 400 for bad input
 naming its `param` (common/entrypoints/protocol.py), a 1 MiB body limit,
 tokenization in a worker thread (never on the event loop, where it would
-stall every other request), `/health`, and, on the engine, 503
-`engine_dead` then exit code 1 if the engine loop dies, so that a
+stall every other request), `/health`, a read deadline (408) and a bounded
+graceful shutdown (common/entrypoints/launcher.py), and, on the engine,
+503 `engine_dead` then exit code 1 if the engine loop dies, so that a
 supervisor restarts the server (what vLLM does).
 
 Left out: streaming and the rest of the OpenAI API (chapter 06).
@@ -32,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Literal
 
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
@@ -52,6 +52,7 @@ from common.engine.llm_engine import (
 )
 from common.engine.output_processor import RequestOutput
 from common.engine.scheduler import Scheduler
+from common.entrypoints.launcher import add_http_args, serve
 from common.entrypoints.protocol import (
     APIError,
     ChatChoice,
@@ -448,6 +449,7 @@ def server_parser(description: str, enable_prefix_caching: bool = False
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_http_args(parser)
     add_engine_args(parser, enable_prefix_caching)
     return parser
 
@@ -469,33 +471,6 @@ def build_engine(parser: argparse.ArgumentParser,
         parser.error(str(exc))
 
 
-def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None,
-                log_level: str = "info") -> uvicorn.Server:
-    """uvicorn, told to shut down once the engine loop dies: the requests
-    in flight get their 503 first (a graceful shutdown waits for them)."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    if engine is not None:
-        def exit_when_dead() -> None:
-            engine.died.wait()
-            log.error("the engine loop died: answering the requests in flight, then exiting")
-            server.should_exit = True
-
-        threading.Thread(target=exit_when_dead, name="engine-watch", daemon=True).start()
-    return server
-
-
-def exit_code(engine: AsyncLLMEngine | None) -> int:
-    """1 when the engine died (a supervisor should restart the server)."""
-    return 1 if engine is not None and not engine.alive else 0
-
-
-def serve(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None) -> int:
-    make_server(app, host, port, engine).run()
-    if engine is not None:
-        engine.close()  # ch06: stop the tensor-parallel workers, if any
-    return exit_code(engine)
-
-
 def main(title: str, scheduler_cls: type[Scheduler], contiguous: bool = False,
          max_num_seqs: int | None = None, enable_prefix_caching: bool = False) -> int:
     """Chapters 03-05: parse the flags, build the engine with the chapter's
@@ -510,4 +485,4 @@ def main(title: str, scheduler_cls: type[Scheduler], contiguous: bool = False,
         config, scheduler_cls=scheduler_cls, block_size_is_max_model_len=contiguous))
     app = new_app(title, __version__)
     add_engine_routes(app, ChatServing(engine, config.model_name))
-    return serve(app, args.host, args.port, engine)
+    return serve(app, args, engine)

@@ -92,6 +92,9 @@ def test_models_health_version_tokenize_detokenize(server, client):
         "prompt": "Hello world"}
     chat_tokens = post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat_tokens["count"] > tokens["count"]
+    strs = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    assert strs.json()["token_strs"] == ["Hello", "Ġworld"]  # the tokenizer's own spelling
+    assert "token_strs" not in tokens  # only when asked, as vLLM
 
 
 def test_chat_equals_hf_generate(server, client, embedded):
@@ -129,6 +132,84 @@ def test_metrics_have_vllm_names(server, client):
                  "vllm:request_queue_time_seconds_sum"]:
         assert name in text, name
     assert 'finished_reason="length",model_name="course-model"' in text
+
+
+# The metrics that vLLM's Grafana dashboard reads, panel by panel
+# (examples/observability/prometheus_grafana/grafana.json in vLLM's repository).
+GRAFANA_PANELS = {
+    "E2E Request Latency": ["vllm:e2e_request_latency_seconds_bucket"],
+    "Token Throughput": ["vllm:prompt_tokens_total", "vllm:generation_tokens_total"],
+    "Inter Token Latency": ["vllm:inter_token_latency_seconds_bucket"],
+    "Scheduler State": ["vllm:num_requests_running", "vllm:num_requests_waiting"],
+    "Time To First Token Latency": ["vllm:time_to_first_token_seconds_bucket"],
+    "Cache Utilization": ["vllm:kv_cache_usage_perc"],
+    "Request Prompt Length": ["vllm:request_prompt_tokens_bucket"],
+    "Request Generation Length": ["vllm:request_generation_tokens_bucket"],
+    "Finish Reason": ["vllm:request_success_total"],
+    "Queue Time": ["vllm:request_queue_time_seconds_sum"],
+    "Requests Prefill and Decode Time": ["vllm:request_prefill_time_seconds_sum",
+                                         "vllm:request_decode_time_seconds_sum"],
+    "Max Generation Token in Sequence Group": ["vllm:request_max_num_generation_tokens_sum"],
+}
+
+
+def scrape_server(server) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = requests.get(server.url + "/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_grafana_panel_of_vllm_has_data(server, client):
+    chat(client, max_tokens=4)
+    names = {key.split("{")[0] for key in scrape_server(server)}
+    for panel, metrics in GRAFANA_PANELS.items():
+        assert set(metrics) <= names, panel
+    for name in ["vllm:iteration_tokens_total_bucket", "vllm:cache_config_info",
+                 "vllm:request_params_n_bucket", "vllm:request_params_max_tokens_bucket",
+                 "vllm:request_inference_time_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket"]:
+        assert name in names, name
+
+
+def test_request_metrics_mean_what_vllms_mean(server):
+    """One request with n=2: request_params_n observes 2 once, the most
+    tokens one choice generated, each choice's prompt and generated tokens;
+    a repeated prompt counts its tokens as prefix-cache queries, and its
+    full blocks but the last token's as hits (tokens, as vLLM, not blocks)."""
+    label = '{model_name="course-model"}'
+    before = scrape_server(server)
+    prompt = f"Count the sheep: {time.time_ns()} " + "sheep " * 40  # not cached yet
+    body = {"prompt": prompt, "max_tokens": 9, "n": 2, "temperature": 1.0, "seed": 3,
+            "return_token_ids": True}
+    answer = post(server, "/v1/completions", body).json()
+    after = scrape_server(server)
+
+    def grew(name: str) -> float:
+        return after[name + label] - before.get(name + label, 0.0)
+
+    generated = [len(c["token_ids"]) for c in answer["choices"]]
+    num_prompt = answer["usage"]["prompt_tokens"]
+    assert grew("vllm:request_params_n_count") == 1 and grew("vllm:request_params_n_sum") == 2
+    assert grew("vllm:request_max_num_generation_tokens_sum") == max(generated)
+    assert grew("vllm:request_generation_tokens_sum") == sum(generated)
+    assert grew("vllm:request_prompt_tokens_sum") == 2 * num_prompt
+    assert grew("vllm:request_params_max_tokens_sum") == 18
+    assert grew("vllm:request_prefill_time_seconds_count") == 2
+    # The two choices share the prompt: the second hits the first's blocks
+    # only if it was admitted a step later (once they were computed).
+    full_blocks = (num_prompt - 1) // 16 * 16  # tokens; the last one is always computed
+    assert grew("vllm:prefix_cache_queries_total") == 2 * num_prompt
+    assert grew("vllm:prefix_cache_hits_total") in (0, full_blocks)
+    post(server, "/v1/completions", {**body, "n": 1})
+    again = scrape_server(server)
+    assert again["vllm:prefix_cache_queries_total" + label] - after[
+        "vllm:prefix_cache_queries_total" + label] == num_prompt
+    assert again["vllm:prefix_cache_hits_total" + label] - after[
+        "vllm:prefix_cache_hits_total" + label] == full_blocks
+    info = [k for k in again if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0]
+    assert 'enable_prefix_caching="True"' in info[0]
 
 
 # --------------------------------------------------------------- streaming

@@ -56,6 +56,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.max_num_seqs = engine.scheduler.max_num_seqs
+        self.cache_config_info = engine.cache_config_info()  # static: vllm:cache_config_info
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()

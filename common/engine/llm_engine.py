@@ -29,6 +29,7 @@ The async front that servers use is common/engine/async_llm.py.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -84,10 +85,40 @@ def default_max_tokens(num_prompt_tokens: int, room: int, fill: bool = False) ->
     return max(1, left if fill else min(DEFAULT_MAX_TOKENS, left))
 
 
+# vLLM's buckets for the tokens of one engine step (vllm:iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class BucketCounts:
+    """A histogram kept as plain counts (the engine knows no Prometheus):
+    `counts[i]` observations <= `bounds[i]` and above the bound before it;
+    the last count is above every bound."""
+    bounds: tuple[int, ...]
+    counts: list[int] = field(default_factory=list)
+    total: int = 0  # the sum of the observed values
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: int) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
+    # vLLM's prefix-cache figures, in tokens: a new request's tokens looked
+    # up, and those found (the block manager counts blocks, chapter 04)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    iteration_tokens: BucketCounts = field(  # tokens per step (prompt computed + sampled)
+        default_factory=lambda: BucketCounts(ITERATION_TOKENS_BUCKETS))
     peak_running: int = 0
     peak_reserved_slots: int = 0
     peak_used_slots: int = 0
@@ -226,7 +257,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        self._count_scheduled(batch)
+        prompt_tokens = self._count_scheduled(batch)
         sampled = self.runner.run(batch)
         updated = self.scheduler.update_from_output(batch, sampled)
         outputs, to_finish = self.output_processor.process(updated)
@@ -236,20 +267,28 @@ class LLMEngine:
             if output.finished:
                 del self.sequences[output.request_id]
                 self._count_finished(output.finish_reason)
-        self.stats.generation_tokens += sum(isinstance(t, SampledToken) for t in sampled.values())
+        generated = sum(isinstance(t, SampledToken) for t in sampled.values())
+        self.stats.generation_tokens += generated
+        self.stats.iteration_tokens.observe(prompt_tokens + generated)
         self._update_stats()
         self._maybe_log(idle=not self.has_unfinished_requests())
         return outputs
 
-    def _count_scheduled(self, batch: list[ScheduledSeq]) -> None:
-        now = time.monotonic()
+    def _count_scheduled(self, batch: list[ScheduledSeq]) -> int:
+        """Count the step's admissions and prompt tokens; returns the latter."""
+        now, prompt_tokens = time.monotonic(), 0
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
-            if seq.first_scheduled_time is None:
+            if seq.first_scheduled_time is None:  # admitted for the first time
                 seq.first_scheduled_time = now
+                if self.config.enable_prefix_caching:  # vLLM: new requests, in tokens
+                    self.stats.prefix_cache_queries += seq.num_tokens
+                    self.stats.prefix_cache_hits += seq.num_cached_tokens
             # prompt tokens among those fed now (a recompute counts again)
-            self.stats.prompt_tokens += max(0, min(start + item.num_new_tokens,
-                                                   seq.num_prompt_tokens) - start)
+            prompt_tokens += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens)
+                                 - start)
+        self.stats.prompt_tokens += prompt_tokens
+        return prompt_tokens
 
     # ------------------------------------------------------------ figures
     def _count_finished(self, reason: str) -> None:
@@ -272,6 +311,13 @@ class LLMEngine:
         s = self.stats
         return 100.0 * (1 - s.sum_used_slots / s.sum_reserved_slots) if s.sum_reserved_slots else 0.0
 
+    def cache_config_info(self) -> dict:
+        """The KV cache's settings, under vLLM's CacheConfig names."""
+        return {"block_size": self.block_size, "num_gpu_blocks": self.block_manager.num_blocks,
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "cache_dtype": str(self.loaded.dtype).removeprefix("torch."),
+                "gpu_memory_utilization": self.config.gpu_memory_utilization}
+
     def snapshot(self) -> dict:
         """Everything a learner may want to see, as one JSON-able dict."""
         usage = self.kv_usage()
@@ -289,8 +335,11 @@ class LLMEngine:
             "avg_kv_waste_perc": self.avg_kv_waste_perc(),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
-            "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_queried_blocks": bm.prefix_queries,
+            "prefix_cache_hit_blocks": bm.prefix_hits,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "iteration_tokens": s.iteration_tokens.as_dict(),
             "finished": dict(s.finished),
             "card": self.card.describe(),
         }

@@ -78,6 +78,7 @@ from common.entrypoints.protocol import (
     refuse_unless_default,
 )
 from common.layers.sampler import SampledToken
+from common.sampling_params import SamplingParams
 from common.loader import apply_chat_template
 
 log = logging.getLogger("llm-course")
@@ -98,6 +99,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # False is refused: the template always adds it
+    return_token_strs: bool = False  # vLLM's: also each token as the tokenizer writes it
 
     @field_validator("add_generation_prompt")
     @classmethod
@@ -173,10 +175,15 @@ class OpenAIServing(ChatServing):
                  metrics: Metrics | None = None):
         super().__init__(engine, model_name)
         self.max_waiting = max_waiting
-        self.metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive)
+        self.metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive,
+                                          max_model_len=engine.max_model_len,
+                                          cache_config=engine.cache_config_info)
 
-    def new_tracker(self):
-        return self.metrics.tracker()
+    def new_trackers(self, n: int, params: list[SamplingParams]) -> list:
+        """Each choice's metrics; the n choices of a prompt share a parent."""
+        parents = [self.metrics.parent(n) for _ in range(len(params) // n)]
+        return [self.metrics.sequence(p.max_tokens, parents[k // n])
+                for k, p in enumerate(params)]
 
     def check_ready(self, num_new: int) -> None:
         """Backpressure: refuse what would wait beyond --max-waiting."""
@@ -324,7 +331,10 @@ class OpenAIServing(ChatServing):
             tokens = self.encode(req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "Give either `prompt` or `messages`.", param="prompt")
-        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        answer = {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            answer["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return answer
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
         check_model_name(req.model, self.model_name)

@@ -233,7 +233,7 @@ class Choice:
     """One of a response's n choices: an engine request, and (ch06) the
     tracker that observes its latencies."""
     stream: RequestStream
-    tracker: object | None = None  # ch06: a metrics RequestTracker
+    tracker: object | None = None  # ch06: its metrics (SequenceMetrics)
 
 
 def close_all(choices: list[Choice]) -> None:
@@ -347,15 +347,16 @@ class ChatServing:
         prepared = [(ids, self.sampling_params(req, ids, sample, param))
                     for ids in prompts for sample in range(req.n)]
         self.check_ready(len(prepared))
+        trackers = self.new_trackers(req.n, [params for _, params in prepared])
         try:
-            return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params),
-                           self.new_tracker())
-                    for k, (ids, params) in enumerate(prepared)]
+            return [Choice(self.engine.add_request(f"{request_id}-{k}", ids, params), tracker)
+                    for k, ((ids, params), tracker) in enumerate(zip(prepared, trackers))]
         except EngineDeadError as exc:
             raise engine_error(exc) from None
 
-    def new_tracker(self):
-        return None  # ch06: latency metrics
+    def new_trackers(self, n: int, params: list[SamplingParams]) -> list:
+        """What observes each choice (n per prompt): nothing here (ch06: metrics)."""
+        return [None] * len(params)
 
     # ------------------------------------------------------------ inputs
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -1,30 +1,39 @@
-"""Prometheus metrics with vLLM's names (ch06), served at `GET /metrics`.
+"""Prometheus metrics with vLLM's names and units (ch06), served at `GET /metrics`.
 
-Two kinds of figures:
+Three kinds of figures:
 
 - what the engine already counts (queues, KV usage, tokens, preemptions,
-  prefix-cache hits, finished requests) is read from `engine.snapshot()`
-  at scrape time by a custom collector: the figures the engine loop
-  published after its last step, the same as `/stats` shows, read without
-  waiting for a step;
-- latencies are observed by the server as each request's outputs arrive:
-  time to first token, inter-token latency, end-to-end latency, and the
-  time spent waiting in the queue before the first step.
+  prefix-cache hits, finished requests, tokens per step) is read from
+  `engine.snapshot()` at scrape time by a custom collector: the figures
+  the engine loop published after its last step, the same as `/stats`
+  shows, read without waiting for a step;
+- latencies are observed by the server as each request's outputs arrive
+  (`RequestTracker`): time to first token, inter-token latency,
+  end-to-end latency, and the time spent waiting in the queue;
+- when a sequence finishes (`SequenceMetrics`): its prompt and generated
+  tokens, its `max_tokens`, its prefill, decode and inference times and
+  its time per output token; when all n choices of a prompt have
+  finished (`ParentRequest`, vLLM's name): `n` and the most tokens one of
+  them generated.
 
-Every metric carries a `model_name` label, as vLLM's do. Point Prometheus
-(or Grafana, or `curl`) at `/metrics`.
+Every metric carries a `model_name` label, as vLLM's do, and the units are
+vLLM's: seconds, tokens (the prefix cache counts tokens, not blocks), KV
+usage as a fraction. vLLM's own Grafana dashboard
+(examples/observability/prometheus_grafana/grafana.json in vLLM's
+repository) reads only these names: all 12 of its panels have data
+against chapter 06 (06-openai-server/README.md).
 
-Left out: vLLM's per-iteration histograms (tokens per step, prefill and
-decode time), the request parameter histograms (n, max_tokens) and the
-speculative-decoding and LoRA metrics.
+Left out: the speculative-decoding, LoRA, KV-connector and multimodal
+metrics, and per-engine labels (one engine here).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Buckets close to vLLM's (seconds).
@@ -34,6 +43,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50 ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class EngineCollector:
@@ -71,31 +92,47 @@ class EngineCollector:
                             s["generation_tokens"])
         yield self._counter("vllm:num_preemptions", "Sequences preempted (recomputed).",
                             s["num_preemptions"])
-        yield self._counter("vllm:prefix_cache_queries", "Full prompt blocks looked "
-                            "up in the prefix cache.", s["prefix_cache_queries"])
-        yield self._counter("vllm:prefix_cache_hits", "Full prompt blocks found in "
-                            "the prefix cache.", s["prefix_cache_hits"])
+        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in "
+                            "tokens: the tokens of each new request.", s["prefix_cache_queries"])
+        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens "
+                            "found in the cache.", s["prefix_cache_hits"])
         success = CounterMetricFamily("vllm:request_success", "Finished requests by "
                                       "finish reason.", labels=["model_name", "finished_reason"])
         for reason, count in sorted(s["finished"].items()):
             success.add_metric([self.model_name, reason], count)
         yield success
+        if "iteration_tokens" in s:  # the exercise's snapshot may have none
+            yield self._step_tokens(s["iteration_tokens"])
+
+    def _step_tokens(self, counts: dict) -> HistogramMetricFamily:
+        """The engine's per-step token counts as vLLM's histogram."""
+        family = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                       "Tokens per engine step (prompt computed + sampled).",
+                                       labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip(counts["bounds"] + ["+Inf"], counts["counts"]):
+            cumulative += count
+            buckets.append((str(float(bound)) if bound != "+Inf" else bound, cumulative))
+        family.add_metric([self.model_name], buckets, counts["sum"])
+        return family
 
 
 class Metrics:
-    """One registry per server: the engine's figures and the latency histograms."""
+    """One registry per server: the engine's figures and the request histograms."""
 
     def __init__(self, snapshot: Callable[[], dict], model_name: str,
                  alive: Callable[[], bool] = lambda: True,
-                 collector_cls: type = None, tracker_cls: type = None):
+                 collector_cls: type = None, tracker_cls: type = None,
+                 max_model_len: int = 8192, cache_config: dict | None = None):
         """`collector_cls`, `tracker_cls`: EngineCollector and RequestTracker
-        unless given (the exercise of chapter 06 gives the learner's)."""
+        unless given (the exercise of chapter 06 gives the learner's).
+        `cache_config`: vllm:cache_config_info's labels."""
         self.registry = CollectorRegistry()
         self.registry.register((collector_cls or EngineCollector)(snapshot, model_name, alive))
         self.tracker_cls = tracker_cls or RequestTracker
         self.model_name = model_name
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+        def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
@@ -108,6 +145,35 @@ class Metrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Time a request waited before its first step.",
                                     REQUEST_BUCKETS)
+        # When a sequence finishes (SequenceMetrics).
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Time from a "
+                                      "request's first step to its first token.",
+                                      REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "Time from a "
+                                     "request's first token to its last.", REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "Time from a "
+                                        "request's first step to its last token.",
+                                        REQUEST_BUCKETS)
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A request's decode time per token after the first.", ITL_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                       "Prompt tokens of a finished request.", tokens)
+        self.generation_tokens = histogram("vllm:request_generation_tokens",
+                                           "Tokens generated by a finished request.", tokens)
+        self.max_tokens = histogram("vllm:request_params_max_tokens",
+                                    "The max_tokens parameter of a finished request.", tokens)
+        # When the n choices of a prompt have all finished (ParentRequest).
+        self.params_n = histogram("vllm:request_params_n",
+                                  "The n parameter of a finished request.", N_BUCKETS)
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The most tokens one of a request's n choices generated.", tokens)
+        if cache_config is not None:
+            info = Gauge("vllm:cache_config_info", "The KV cache's configuration.",
+                         sorted(cache_config), registry=self.registry)
+            info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
@@ -115,6 +181,13 @@ class Metrics:
 
     def tracker(self) -> "RequestTracker":
         return self.tracker_cls(self)
+
+    def sequence(self, max_tokens: int, parent: "ParentRequest") -> "SequenceMetrics":
+        """What observes one choice: its latencies, then its totals."""
+        return SequenceMetrics(self, self.tracker(), max_tokens, parent)
+
+    def parent(self, n: int) -> "ParentRequest":
+        return ParentRequest(self, n)
 
 
 class RequestTracker:
@@ -138,3 +211,46 @@ class RequestTracker:
         self.last_token_at = now
         if output.finished:
             self.metrics.e2e.observe(now - self.start)
+
+
+class ParentRequest:
+    """The n choices of one prompt (vLLM's name): once all have finished,
+    `n` and the most tokens one of them generated."""
+
+    def __init__(self, metrics: Metrics, n: int):
+        self.metrics, self.n = metrics, n
+        self.generated: list[int] = []
+
+    def child_finished(self, num_generation_tokens: int) -> None:
+        self.generated.append(num_generation_tokens)
+        if len(self.generated) == self.n:
+            self.metrics.params_n.observe(self.n)
+            self.metrics.max_num_generation_tokens.observe(max(self.generated))
+
+
+class SequenceMetrics:
+    """One choice's metrics: the latency tracker (chapter 06's exercise),
+    then, when it finishes, vLLM's per-request histograms."""
+
+    def __init__(self, metrics: Metrics, tracker, max_tokens: int, parent: ParentRequest):
+        self.metrics, self.tracker = metrics, tracker
+        self.max_tokens, self.parent = max_tokens, parent
+
+    def on_output(self, output) -> None:
+        self.tracker.on_output(output)
+        if output.finished:
+            self._finished(output, time.monotonic())
+
+    def _finished(self, output, now: float) -> None:
+        m, generated = self.metrics, output.num_output_tokens
+        m.prompt_tokens.observe(len(output.prompt_token_ids))
+        m.generation_tokens.observe(generated)
+        m.max_tokens.observe(self.max_tokens)
+        if output.first_scheduled_time is not None and output.first_token_time is not None:
+            m.prefill_time.observe(output.first_token_time - output.first_scheduled_time)
+            m.decode_time.observe(now - output.first_token_time)
+            m.inference_time.observe(now - output.first_scheduled_time)
+            if generated > 1:
+                m.time_per_output_token.observe((now - output.first_token_time)
+                                                / (generated - 1))
+        self.parent.child_finished(generated)

@@ -22,6 +22,7 @@ import requests
 
 from common.engine.async_llm import AsyncLLMEngine
 from common.entrypoints.api_server import build_app
+from common.entrypoints.chat_server import RateLimit
 from common.entrypoints.launcher import exit_code, make_server
 from common.entrypoints.metrics import Metrics
 from common.loader import apply_chat_template
@@ -778,6 +779,25 @@ def test_stats_metrics_and_health_never_wait_for_a_step(local):
         wait_for(lambda: local.engine._inbox.qsize() == 1, "the chat templated and queued")
     chat_threads[0].join()
     assert queued[0].status_code == 200
+
+
+def test_a_stats_flood_is_spaced_out_not_served_at_cpu_speed():
+    """RateLimit: 10 requests at once get slots 1/20 s apart (a lower bound
+    on the time: asyncio.sleep never wakes early), so 60 clients looping on
+    /stats cannot take the CPU from the engine."""
+    limit = RateLimit(per_second=20)
+
+    async def flood() -> list[float]:
+        start = time.monotonic()
+
+        async def one() -> float:
+            await limit.wait()
+            return time.monotonic() - start
+
+        return sorted(await asyncio.gather(*(one() for _ in range(10))))
+
+    waited = asyncio.run(flood())
+    assert all(seconds >= k / 20 for k, seconds in enumerate(waited))  # slot k: k/20 s on
 
 
 # ------------------------------------------------- slow and half-open clients

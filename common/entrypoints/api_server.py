@@ -361,7 +361,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "transformers": transformers.__version__}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:  # reads the last step's snapshot: never waits
+    async def metrics() -> Response:  # reads the last step's snapshot: no lock
+        await app.state.monitoring.wait()
         body, content_type = serving.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -77,6 +77,7 @@ from common.sampling_params import RequestOutputKind, SamplingParams
 log = logging.getLogger("llm-course")
 
 DISCONNECT_POLL_S = 0.25
+MONITORING_PER_S = 20  # answers a second on /stats and /metrics, all clients together
 
 
 # ------------------------------------------------------- shared checks
@@ -418,10 +419,31 @@ class ChatServing:
         raise NotImplementedError  # ch06: OpenAIServing.stream_chat
 
 
+class RateLimit:
+    """At most `per_second` answers a second on the routes that share it,
+    all clients together; a request beyond that waits its turn on the event
+    loop (asleep: no thread, no CPU). Why: once `/stats` answers at once, 60
+    clients looping on it would take the CPU from the engine (measured:
+    a long request 12x slower on 2 cores); a monitor needs a few answers a
+    second, not thousands."""
+
+    def __init__(self, per_second: float):
+        self.interval = 1.0 / per_second
+        self.next_slot = 0.0
+
+    async def wait(self) -> None:
+        now = time.monotonic()
+        slot = max(now, self.next_slot)  # the first free slot, reserved at once
+        self.next_slot = slot + self.interval
+        await asyncio.sleep(slot - now)
+
+
 def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
-    """The routes of chapters 03-06: models, health, chat, stats."""
+    """The routes of chapters 03-06: models, health, chat, stats. `/stats`
+    (and chapter 06's `/metrics`) share `app.state.monitoring`, a RateLimit."""
     created = int(time.time())
     engine = serving.engine
+    app.state.monitoring = RateLimit(MONITORING_PER_S)
 
     @app.get("/v1/models")
     def models() -> ModelList:
@@ -439,7 +461,8 @@ def add_engine_routes(app: FastAPI, serving: ChatServing) -> None:
         return await serving.chat(req, request)
 
     @app.get("/stats")
-    async def stats() -> dict:  # the figures published after the last step: no waiting
+    async def stats() -> dict:  # the figures published after the last step: no lock
+        await app.state.monitoring.wait()
         return engine.snapshot()
 
 

@@ -48,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers
+.PHONY: vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -94,6 +94,9 @@ bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05
 
 bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, with peers (< 8 min)
 	$(PY) -m bench.bench --preset gpu $(BENCH_ARGS)
+
+fairness: $(STAMP) ## BEFORE=<git rev>: can one client slow, block or starve the others? before vs now (~7 min)
+	$(PY) -m bench.fairness --before $(or $(BEFORE),9a5445a)
 
 levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
 	$(PY) -m bench.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)

@@ -11,9 +11,10 @@ not do on its own, and a server facing clients needs:
   (only its 5 s keep-alive timeout closes *idle* connections), and a
   graceful shutdown then waits for them.
 - **A bounded graceful shutdown** (`--shutdown-timeout`, vLLM's flag): on
-  SIGTERM or Ctrl-C the server stops accepting connections and lets the
-  requests in flight finish for at most that many seconds, then cancels
-  what is left.
+  SIGTERM or Ctrl-C the server stops accepting connections, answers 408 to
+  the requests still arriving (nothing of theirs is in the engine yet),
+  and lets the requests in flight finish for at most that many seconds,
+  then cancels what is left.
 - **An exit status the server chooses**: uvicorn re-raises the signal it
   caught once it has stopped, which kills the process (status 143 after
   SIGTERM) before anything after `run()` executes: the engine's workers
@@ -99,6 +100,16 @@ class ReadTimeoutProtocol(H11Protocol):
         self._stop_clock()
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        """The server is stopping: a request still arriving has nothing in
+        the engine yet, so it gets its 408 now rather than hold the
+        shutdown; the others finish (uvicorn's graceful shutdown)."""
+        if self._reading() and not self.transport.is_closing():
+            self._stop_clock()
+            self._close_unread()
+        else:
+            super().shutdown()
+
     def _reading(self) -> bool:
         """Is a request partly received (its head or its body)? Before the
         first request, the open connection counts: it was opened to send one."""
@@ -122,11 +133,15 @@ class ReadTimeoutProtocol(H11Protocol):
         self.read_deadline = None
         if self.transport.is_closing() or not self._reading():
             return
+        log.warning("closing a connection from %s: its request did not arrive within %g s",
+                    self.client, self.timeout_read)
+        self._close_unread()
+
+    def _close_unread(self) -> None:
+        """A 408 for the request being read, then close the connection."""
         head_only = self.conn.their_state is h11.IDLE  # no app has seen this request
         if head_only or not self.cycle.response_started:
             self.transport.write(timeout_response(self.timeout_read))
-        log.warning("closing a connection from %s: its request did not arrive within %g s",
-                    self.client, self.timeout_read)
         self.transport.close()  # an app waiting for the body sees a disconnect
 
 

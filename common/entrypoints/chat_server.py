@@ -423,9 +423,9 @@ class RateLimit:
     """At most `per_second` answers a second on the routes that share it,
     all clients together; a request beyond that waits its turn on the event
     loop (asleep: no thread, no CPU). Why: once `/stats` answers at once, 60
-    clients looping on it would take the CPU from the engine (measured:
-    a long request 12x slower on 2 cores); a monitor needs a few answers a
-    second, not thousands."""
+    clients looping on it would take the CPU from the engine (on 2 cores,
+    a long request beside them ran many times slower); a monitor needs a
+    few answers a second, not thousands."""
 
     def __init__(self, per_second: float):
         self.interval = 1.0 / per_second

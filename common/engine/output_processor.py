@@ -7,8 +7,11 @@ After each step the engine hands the sequences that got a token to
    ch05: a token may hold half a UTF-8 character);
 2. looks for the request's stop strings in the new text only (plus the
    few characters held back before it), so the work per token does not
-   grow with the answer; text that could be the start of a stop string is
-   held back, never sent, and a stop string is cut off the answer;
+   grow with the answer; nor with the number of stop strings: they are
+   searched at once, by an Aho-Corasick automaton built once per request
+   (`StopStrings`, pyahocorasick). Text that could be the start of a stop
+   string is held back, never sent, and a stop string is cut off the
+   answer;
 3. builds the request's `RequestOutput`: with `RequestOutputKind.DELTA`
    (the servers) the new tokens and text of this step, with `FINAL_ONLY`
    (the offline `LLM`) everything, once, when the request finishes.
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+
+import ahocorasick
 
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.sequence import Sequence
@@ -52,6 +57,24 @@ class RequestOutput:
     first_token_time: float | None
 
 
+class StopStrings:
+    """A request's stop strings in one Aho-Corasick automaton, built once:
+    a search costs the length of the text searched, however many strings
+    the request gave (thousands fit in the 1 MiB body limit)."""
+
+    def __init__(self, stops: list[str]):
+        self.automaton = ahocorasick.Automaton()
+        for stop in stops:
+            self.automaton.add_word(stop, len(stop))
+        self.automaton.make_automaton()
+        self.hold_chars = max(map(len, stops)) - 1  # a match may start this far back
+
+    def find(self, text: str) -> int | None:
+        """Where the earliest stop string starts in `text`, or None."""
+        starts = [end - length + 1 for end, length in self.automaton.iter(text)]
+        return min(starts, default=None)
+
+
 @dataclass
 class RequestState:
     """The output side of one running request."""
@@ -59,10 +82,15 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     released: list[str] = field(default_factory=list)  # text pieces sent (or to send)
     held: str = ""  # decoded, not released: could be the start of a stop string
-    hold_chars: int = 0  # longest stop string - 1
+    stops: StopStrings | None = None  # None: the request has no stop strings
 
     def __post_init__(self) -> None:
-        self.hold_chars = max((len(s) for s in self.seq.params.stop), default=1) - 1
+        if self.seq.params.stop:
+            self.stops = StopStrings(self.seq.params.stop)
+
+    @property
+    def hold_chars(self) -> int:
+        return self.stops.hold_chars if self.stops is not None else 0
 
 
 @dataclass
@@ -71,12 +99,6 @@ class Finish:
     seq: Sequence
     reason: str
     error: str | None = None
-
-
-def find_stop(text: str, stops: list[str]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i != -1]
-    return min(found) if found else None
 
 
 class OutputProcessor:
@@ -124,7 +146,7 @@ class OutputProcessor:
         text = state.held + state.detokenizer.step(seq.output_token_ids[-1])
         if finishing:
             text += state.detokenizer.flush()
-        position = find_stop(text, seq.params.stop) if seq.params.stop else None
+        position = state.stops.find(text) if state.stops is not None else None
         if position is not None:
             state.held = ""
             return self._release(state, text[:position]), True

@@ -19,6 +19,7 @@ from common.engine.kv_cache import KVCache, num_blocks_for_card
 from common.engine.llm_engine import LLMEngine
 from common.layers import quantization as quant
 from common.loader import apply_chat_template, load_model
+from common.models.llama import LLAMA_LINEARS
 from common.memory import Card, weight_bytes
 from tests.conftest import PROMPTS, ROOT, hf_greedy
 from tests.engine_helpers import greedy, run_all
@@ -49,7 +50,7 @@ def test_int4_recovers_the_embedded_models_weights_exactly(embedded):
     round-to-nearest lands back on the same grid, so nothing is lost."""
     layers = embedded.model.model.layers
     for layer in (layers[0], layers[17], layers[-1]):
-        for path in quant.LLAMA_LINEARS:
+        for path in LLAMA_LINEARS:
             weight = layer.get_submodule(path).weight.data
             q, scales, mins = quant.quantize_int4(weight)
             restored = quant.dequantize_int4(quant.pack_int4(q), scales, mins)

@@ -28,7 +28,8 @@ from common.config import ConfigError, EngineConfig
 from common.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from common.engine.llm_engine import LLMEngine
 from common.engine.tp_workers import RankDiedError
-from common.layers.parallel import check_tensor_parallel, vocab_shard
+from common.layers.parallel import vocab_shard
+from common.models import check_tensor_parallel
 from common.loader import apply_chat_template
 from common.sampling_params import RequestOutputKind
 from tests.conftest import PROMPTS, ROOT, hf_greedy

@@ -45,16 +45,26 @@ from common.engine.output_processor import OutputProcessor, RequestOutput
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
 from common.engine.tp_workers import RankReport, TPWorkers, start_ranks
-from common.layers.parallel import SINGLE_RANK, check_tensor_parallel
-from common.layers.quantization import quant_ops_for, quantize_model
+from common.layers.parallel import SINGLE_RANK
+from common.layers.quantization import CpuPackedQuantOps, quantize_linears
 from common.layers.sampler import RequestSamplingState, SampledToken
 from common.loader import LoadedModel, load_model
 from common.memory import Card, format_bytes
+from common.models import check_tensor_parallel, quantizable_linears
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (chapter 06 fills the context)
+
+
+def quant_ops_for(device: torch.device):
+    """How `--quantization` multiplies (ch06): the Triton kernels on CUDA,
+    PyTorch's packed kernels on the CPU."""
+    if device.type == "cuda":
+        from common.layers.quant_kernels import TritonQuantOps  # Triton: CUDA only
+        return TritonQuantOps
+    return CpuPackedQuantOps
 
 
 class ContextLengthError(ValueError):
@@ -154,8 +164,9 @@ class LLMEngine:
         self.card = Card(self.loaded.device, config.device_memory_gb,
                          config.gpu_memory_utilization)
         if config.quantization:  # ch06: weight-only int8/int4, swapped in place
-            quantize_model(self.loaded.model, config.quantization,
-                           quant_ops or quant_ops_for(self.loaded.device))
+            model = self.loaded.model
+            quantize_linears(model, quantizable_linears(model, config.quantization),
+                             config.quantization, quant_ops or quant_ops_for(self.loaded.device))
         self.workers: TPWorkers | None = None
         self.tp = SINGLE_RANK
         if tp_size > 1:  # ch06: start ranks 1..N-1; rank 0 keeps its shard of `loaded`

@@ -47,10 +47,10 @@ from common.layers.parallel import (
     destroy_tensor_parallel,
     free_port,
     init_tensor_parallel,
-    shard_llama_for_rank,
 )
 from common.loader import LoadedModel, load_model, pick_device
 from common.memory import Card, format_bytes
+from common.models import shard_for_rank
 
 STOP = "stop"
 READY_TIMEOUT_S = 600.0  # loading the model on every rank (a hang guard)
@@ -118,7 +118,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, block_size: int,
         tp = init_tensor_parallel(rank, world_size, port, device)
         loaded = load_model(config.model, config.dtype, str(device), config.load_format,
                             config.seed)
-        shard_llama_for_rank(loaded.model, rank, world_size)  # keep this rank's share
+        shard_for_rank(loaded.model, rank, world_size)  # keep this rank's share
         _card, kv_cache, report = build_rank(config, loaded, tp, block_size, num_blocks)
         runner = ModelRunner(loaded.model, kv_cache, tp=tp)
         conn.send(report)
@@ -290,7 +290,7 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel, block_size: int,
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))
         tp = init_tensor_parallel(0, world_size, port, device)
-        shard_llama_for_rank(loaded.model, 0, world_size)
+        shard_for_rank(loaded.model, 0, world_size)
     except Exception as exc:  # noqa: BLE001 - a worker that died while joining
         error = workers.failure(exc)
         workers.shutdown()

@@ -18,10 +18,12 @@ Llama layer is cut in N, so that each rank holds 1/N of the weights and
 torch stores `weight` as (out, in), so a column-parallel layer keeps *rows*
 of `weight`.) Norms and rotary embeddings are small: every rank keeps them.
 
-This module holds the sharding of the HF model's weights
-(`shard_llama_for_rank`), the check that a model can be split
-(`check_tensor_parallel`), and the collectives (`TPGroup`), which count
-the bytes they move. Starting the ranks: common/engine/tp_workers.py.
+This module holds what any model's split uses: cutting a linear layer by
+output or input features, a vocabulary shard, the collectives (`TPGroup`,
+which count the bytes they move). Which matrix is cut how is the model's
+business: `shard_llama_for_rank` in common/models/llama.py, and the check
+that a model can be split, `check_tensor_parallel`, in
+common/models/__init__.py. Starting the ranks: common/engine/tp_workers.py.
 
 Left out: pipeline parallelism, sequence parallelism, replicating KV heads
 when N exceeds their number (vLLM does; we refuse), custom all-reduce
@@ -39,41 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.config import ConfigError
-from common.models import LLAMA_FAMILY
 
 TIMEOUT_S = 60.0  # a collective that waits longer than this fails (a rank is stuck)
-
-
-# ----------------------------------------------------------- the check
-def check_tensor_parallel(hf_config, world_size: int, quantization: str | None = None) -> None:
-    """Refuse, at startup and with vLLM's wording, a model that cannot be
-    split in `world_size` equal parts."""
-    if world_size < 1:
-        raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world_size}.")
-    if world_size == 1:
-        return
-    if hf_config.model_type not in LLAMA_FAMILY:
-        raise ConfigError(
-            f"tensor parallelism covers the Llama family ({', '.join(LLAMA_FAMILY)}), "
-            f"not model_type={hf_config.model_type!r}: use --tensor-parallel-size 1.")
-    if quantization is not None:
-        raise ConfigError(
-            f"--quantization {quantization} and --tensor-parallel-size {world_size} are "
-            "not combined in this course: use one or the other.")
-    problems = []
-    for what, total in (("attention heads", hf_config.num_attention_heads),
-                        ("key-value heads", hf_config.num_key_value_heads),
-                        ("intermediate features", hf_config.intermediate_size)):
-        if total % world_size:
-            problems.append(f"Total number of {what} ({total}) must be divisible by "
-                            f"tensor parallel size ({world_size}).")
-    if problems:
-        heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        fits = [n for n in range(1, heads[1] + 1) if heads[0] % n == 0 and heads[1] % n == 0
-                and hf_config.intermediate_size % n == 0]
-        raise ConfigError(" ".join(problems) + f" Sizes that fit this model: "
-                          f"{', '.join(map(str, fits))}.")
 
 
 # --------------------------------------------------------- the sharding
@@ -114,26 +83,6 @@ def vocab_shard(weight: torch.Tensor, rank: int, world_size: int) -> nn.Paramete
     if padding:
         shard = torch.cat([shard, shard.new_zeros(padding, weight.shape[1])])
     return _keep(shard)  # (V/N, hidden)
-
-
-def shard_llama_for_rank(hf_model, rank: int, world_size: int) -> None:
-    """Keep rank `rank`'s shard of every matrix of a Llama-family HF model,
-    in place (the rest is freed). Afterwards only our forward pass
-    (common/models/llama.py, told the world size) can run the model:
-    HF's own forward would expect the whole matrices."""
-    model = hf_model.model
-    tied = hf_model.lm_head.weight is model.embed_tokens.weight
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            shard_output_features(proj, rank, world_size)  # this rank's heads / features
-        for proj in (attn.o_proj, mlp.down_proj):
-            shard_input_features(proj, rank, world_size)  # partial sums, all-reduced
-    model.embed_tokens.weight = vocab_shard(model.embed_tokens.weight, rank, world_size)
-    if tied:  # SmolLM2: the head is the embedding, one shard serves both
-        hf_model.lm_head.weight = model.embed_tokens.weight
-    else:
-        hf_model.lm_head.weight = vocab_shard(hf_model.lm_head.weight, rank, world_size)
 
 
 # -------------------------------------------------------- the collectives

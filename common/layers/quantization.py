@@ -29,9 +29,11 @@ implementations, one interface (`QuantOps.quantize` stores a weight,
 3. `common.layers.quant_kernels`: Triton kernels for CUDA that dequantize
    tiles of the weight in registers (tested on the CPU under the interpreter).
 
-`quantize_model` swaps the q/k/v/o and gate/up/down projections of each
-decoder layer for `QuantLinear` modules, in place. The card then books the
-weights at their real size (`Card.charge_weights` counts buffers too).
+`quantize_linears` swaps the linear layers it is given (the model says
+which: `quantizable_linears` in common/models/, the q/k/v/o and
+gate/up/down projections of each decoder layer) for `QuantLinear` modules,
+in place. The card then books the weights at their real size
+(`Card.charge_weights` counts buffers too).
 
 Left out: activation quantization (W8A8, FP8), AWQ's activation-aware scale
 search and GPTQ's error correction (we round to the nearest grid point),
@@ -44,14 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import ConfigError
-from common.models import LLAMA_FAMILY
-
 GROUP_SIZE = 32  # input channels per int4 group (GGUF Q4_1's block)
 SCHEMES = ("int8", "int4")
-# The projections of a Llama decoder layer, quantized in place.
-LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 # ---------------------------------------------------------------- rounding
@@ -161,14 +157,6 @@ class CpuPackedQuantOps:
         return out if layer.bias is None else out + layer.bias
 
 
-def quant_ops_for(device: torch.device):
-    """Triton kernels on CUDA, PyTorch's packed kernels on the CPU."""
-    if device.type == "cuda":
-        from common.layers import quant_kernels  # the same two calls, in Triton
-        return quant_kernels.TritonQuantOps
-    return CpuPackedQuantOps
-
-
 # ------------------------------------------------------------ the module
 class QuantLinear(nn.Module):
     """A drop-in for nn.Linear whose weight is stored quantized (buffers)."""
@@ -193,25 +181,11 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.scheme}, {self.ops.name}"
 
 
-def check_quantization(config, scheme: str | None) -> None:
-    """Refuse, with a clear message, a model the course cannot quantize."""
-    if scheme is None:
-        return
-    if config.model_type not in LLAMA_FAMILY:
-        raise ConfigError(f"--quantization {scheme} covers the Llama family "
-                         f"({', '.join(LLAMA_FAMILY)}), not model_type={config.model_type!r}")
-
-
-def quantize_model(hf_model: nn.Module, scheme: str, ops) -> int:
-    """Swap each decoder layer's projections for QuantLinear, in place.
-    Returns the number of layers swapped."""
-    check_quantization(hf_model.config, scheme)
-    swapped = 0
-    for layer in hf_model.model.layers:
-        for path in LLAMA_LINEARS:
-            parent_path, name = path.rsplit(".", 1)
-            parent = layer.get_submodule(parent_path)
-            setattr(parent, name, QuantLinear(getattr(parent, name), scheme, ops))
-            swapped += 1
-    return swapped
-
+def quantize_linears(model: nn.Module, paths: list[str], scheme: str, ops) -> int:
+    """Swap each linear layer at `paths` (as `model.get_submodule` reads
+    them) for a QuantLinear, in place. Returns the number swapped."""
+    for path in paths:
+        parent_path, name = path.rsplit(".", 1)
+        parent = model.get_submodule(parent_path)
+        setattr(parent, name, QuantLinear(getattr(parent, name), scheme, ops))
+    return len(paths)

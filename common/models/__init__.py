@@ -1,7 +1,14 @@
-"""Our own forward passes (ch03): the weights stay in the HF model."""
+"""Our own forward passes (ch03): the weights stay in the HF model.
+
+What depends on the model's family lives here, not in common/layers/:
+which forward pass runs it, whether it can be split over ranks (ch06,
+`check_tensor_parallel`) or quantized (`check_quantization`), and which
+of its matrices are cut or quantized (`shard_for_rank`,
+`quantizable_linears`, from each family's module).
+"""
 from __future__ import annotations
 
-import torch
+from common.config import ConfigError
 
 # The model types that LlamaForward runs (and that --quantization and
 # --tensor-parallel-size cover, ch06).
@@ -40,3 +47,55 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Same dot products; the sums may round differently in the last bits
     (as F.linear's own results already vary with the number of rows)."""
     return (weight @ hidden.T).T.contiguous()  # (vocab, N) -> (N, vocab)
+
+
+def check_tensor_parallel(hf_config, world_size: int, quantization: str | None = None) -> None:
+    """Refuse, at startup and with vLLM's wording, a model that cannot be
+    split in `world_size` equal parts."""
+    if world_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world_size}.")
+    if world_size == 1:
+        return
+    if hf_config.model_type not in LLAMA_FAMILY:
+        raise ConfigError(
+            f"tensor parallelism covers the Llama family ({', '.join(LLAMA_FAMILY)}), "
+            f"not model_type={hf_config.model_type!r}: use --tensor-parallel-size 1.")
+    if quantization is not None:
+        raise ConfigError(
+            f"--quantization {quantization} and --tensor-parallel-size {world_size} are "
+            "not combined in this course: use one or the other.")
+    problems = []
+    for what, total in (("attention heads", hf_config.num_attention_heads),
+                        ("key-value heads", hf_config.num_key_value_heads),
+                        ("intermediate features", hf_config.intermediate_size)):
+        if total % world_size:
+            problems.append(f"Total number of {what} ({total}) must be divisible by "
+                            f"tensor parallel size ({world_size}).")
+    if problems:
+        heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        fits = [n for n in range(1, heads[1] + 1) if heads[0] % n == 0 and heads[1] % n == 0
+                and hf_config.intermediate_size % n == 0]
+        raise ConfigError(" ".join(problems) + f" Sizes that fit this model: "
+                          f"{', '.join(map(str, fits))}.")
+
+
+def check_quantization(config, scheme: str | None) -> None:
+    """Refuse, with a clear message, a model the course cannot quantize."""
+    if scheme is None:
+        return
+    if config.model_type not in LLAMA_FAMILY:
+        raise ConfigError(f"--quantization {scheme} covers the Llama family "
+                          f"({', '.join(LLAMA_FAMILY)}), not model_type={config.model_type!r}")
+
+
+def shard_for_rank(hf_model, rank: int, world_size: int) -> None:
+    """Keep rank `rank`'s share of the model's weights (ch06), in place."""
+    from common.models.llama import shard_llama_for_rank  # the Llama family only
+    shard_llama_for_rank(hf_model, rank, world_size)
+
+
+def quantizable_linears(hf_model, scheme: str) -> list[str]:
+    """The paths of the linear layers `--quantization scheme` swaps (ch06)."""
+    check_quantization(hf_model.config, scheme)
+    from common.models.llama import quantizable_linears as llama_linears
+    return llama_linears(hf_model)

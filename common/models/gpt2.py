@@ -18,7 +18,7 @@ from common.layers.attention import (
     attention_ops_for,
     paged_attention,
 )
-from common.models import lm_head
+from common.layers.logits import lm_head
 
 
 def conv1d(x: torch.Tensor, layer) -> torch.Tensor:

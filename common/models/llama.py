@@ -10,8 +10,8 @@ The weights are the HF model's own tensors (no copy). The input is a flat
 batch of tokens from any number of sequences, prefill or decode alike:
 `input_ids` and `positions` of shape (num_tokens,), plus AttentionMetadata.
 
-Tensor parallelism (ch06, common/layers/parallel.py): given a `TPGroup` of
-N ranks, the weights are this rank's shard, so each rank runs num_heads/N
+Tensor parallelism (ch06, common/layers/parallel.py): `shard_llama_for_rank`
+cuts each matrix; given a `TPGroup` of N ranks, the weights are this rank's shard, so each rank runs num_heads/N
 query heads and num_kv_heads/N KV heads, 1/N of the MLP and of the
 vocabulary; o_proj, down_proj and the embedding end with an all-reduce, the
 LM head with a gather on rank 0. With one rank nothing of that runs.
@@ -29,8 +29,15 @@ from common.layers.attention import (
     attention_ops_for,
     paged_attention,
 )
-from common.layers.parallel import SINGLE_RANK, TPGroup, vocab_parallel_embedding
-from common.models import lm_head
+from common.layers.parallel import (
+    SINGLE_RANK,
+    TPGroup,
+    shard_input_features,
+    shard_output_features,
+    vocab_parallel_embedding,
+    vocab_shard,
+)
+from common.layers.logits import lm_head
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,3 +132,35 @@ class LlamaForward:
         the other ranks get None."""
         logits = lm_head(hidden, self.hf.lm_head.weight)
         return self.tp.gather_vocab(logits, self.vocab_size)  # ch06 (a no-op on one rank)
+
+
+# ------------------------------------------------------- ch06: the levers
+# The projections of a decoder layer that --quantization swaps, in place.
+LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantizable_linears(hf_model) -> list[str]:
+    """Every decoder layer's projections, as paths in the HF model."""
+    return [f"model.layers.{i}.{path}" for i in range(len(hf_model.model.layers))
+            for path in LLAMA_LINEARS]
+
+
+def shard_llama_for_rank(hf_model, rank: int, world_size: int) -> None:
+    """Keep rank `rank`'s shard of every matrix of a Llama-family HF model,
+    in place (the rest is freed). Afterwards only our forward pass
+    (common/models/llama.py, told the world size) can run the model:
+    HF's own forward would expect the whole matrices."""
+    model = hf_model.model
+    tied = hf_model.lm_head.weight is model.embed_tokens.weight
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            shard_output_features(proj, rank, world_size)  # this rank's heads / features
+        for proj in (attn.o_proj, mlp.down_proj):
+            shard_input_features(proj, rank, world_size)  # partial sums, all-reduced
+    model.embed_tokens.weight = vocab_shard(model.embed_tokens.weight, rank, world_size)
+    if tied:  # SmolLM2: the head is the embedding, one shard serves both
+        hf_model.lm_head.weight = model.embed_tokens.weight
+    else:
+        hf_model.lm_head.weight = vocab_shard(hf_model.lm_head.weight, rank, world_size)

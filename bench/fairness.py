@@ -131,7 +131,7 @@ def long_prefill(url: str) -> dict:
     wait_running(url, long)
     busy, _ = timed_post(url, chat_body("Hi", 1))
     long.join()
-    return {"newcomer_ttft_s": busy, "idle_ttft_s": idle}
+    return {"newcomer_ttft_s": busy, "idle_ttft_s": idle, "long_s": long.result[0]}
 
 
 def stream_gaps(url: str) -> float:
@@ -248,6 +248,7 @@ ROWS = [  # (scenario, figure, what)
     ("stats_pollers", "long_alone_s", "1. the same request without the pollers, s"),
     ("long_prefill", "newcomer_ttft_s", "2. a newcomer's first token, s (7,000-token prefill)"),
     ("long_prefill", "idle_ttft_s", "2. the same on an idle server, s"),
+    ("long_prefill", "long_s", "2. the 7,000-token request itself, s"),
     ("huge_logit_bias", "victim_gap_s", "3. a stream's inter-token gap, s (logit_bias attacker)"),
     ("huge_logit_bias", "alone_gap_s", "3. the same stream alone, s"),
     ("half_open", "exit_s", "4. SIGTERM to exit, s (200 half-open connections)"),

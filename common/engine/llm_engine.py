@@ -1,4 +1,4 @@
-"""LLMEngine (ch03-05): add_request / step / abort.
+"""LLMEngine (ch03-06): add_request / step / abort.
 
 `LLMEngine.step()` is one iteration, as in nano-vllm:
 

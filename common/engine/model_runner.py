@@ -1,4 +1,4 @@
-"""ModelRunner (ch03-05): scheduled sequences -> tensors -> model -> sampled tokens.
+"""ModelRunner (ch03-06): scheduled sequences -> tensors -> model -> sampled tokens.
 
 For each step it builds the flat batch: `input_ids` and `positions` of every
 new token, `slot_mapping` (where each token's K/V go), `block_tables` and

@@ -77,10 +77,6 @@ class Background(threading.Thread):
             self.error = exc
 
 
-def in_background(work) -> Background:
-    return Background(work)
-
-
 def wait_running(url: str, request: Background, count: int = 1) -> None:
     """Until `count` sequences run; fails if `request` ended first."""
     while requests.get(url + "/stats", timeout=600).json()["running"] < count:
@@ -96,7 +92,7 @@ def long_request_with(url: str, num_pollers: int) -> dict:
     `num_pollers` clients looping on /stats meanwhile; then 3 /health
     probes and a 1-token chat. Seconds for each."""
     nonce = time.time_ns()
-    long = in_background(lambda: timed_post(url, chat_body(f"{nonce} " + "the sea is blue. " * 300,
+    long = Background(lambda: timed_post(url, chat_body(f"{nonce} " + "the sea is blue. " * 300,
                                                            8, n=4)))
     wait_running(url, long)
     stop = threading.Event()
@@ -105,7 +101,7 @@ def long_request_with(url: str, num_pollers: int) -> dict:
         while not stop.is_set():
             requests.get(url + "/stats", timeout=600)
 
-    pollers = [in_background(poll) for _ in range(num_pollers)]
+    pollers = [Background(poll) for _ in range(num_pollers)]
     health = []
     for _ in range(3):
         start = time.monotonic()
@@ -127,7 +123,7 @@ def stats_pollers(url: str) -> dict:
 
 def long_prefill(url: str) -> dict:
     idle, _ = timed_post(url, chat_body("Hi", 1))
-    long = in_background(lambda: timed_post(url, chat_body("the sea is blue. " * 1400, 1)))
+    long = Background(lambda: timed_post(url, chat_body("the sea is blue. " * 1400, 1)))
     wait_running(url, long)
     busy, _ = timed_post(url, chat_body("Hi", 1))
     long.join()
@@ -150,7 +146,7 @@ def stream_gaps(url: str) -> float:
 def huge_logit_bias(url: str) -> dict:
     alone = stream_gaps(url)
     bias = {str(i): 0.1 for i in range(49152)}
-    attacker = in_background(lambda: timed_post(url, chat_body(
+    attacker = Background(lambda: timed_post(url, chat_body(
         "Write a long story.", 48, n=16, logit_bias=bias, ignore_eos=True, temperature=1.0)))
     wait_running(url, attacker, 16)
     attacked = stream_gaps(url)

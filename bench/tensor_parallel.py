@@ -35,6 +35,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench.bench import machine
 from bench.loadtest import prompt_messages
@@ -48,6 +49,21 @@ from common.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUIET_LOAD = 1.5
+
+
+def add_quiet_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a measurement that waits for a quiet machine and writes
+    bench/results/ (this module's and bench/vllm_steps.py's)."""
+    p.add_argument("--wait-quiet", type=float, default=300.0,
+                   help="seconds to wait for a load average below 1.5 (0: do not wait)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: write the markdown of a results file again")
+
+
+def render_again(results_json: Path, markdown: Callable[[dict], str]) -> None:
+    """--render: the markdown of a results file, from its JSON."""
+    results_json.with_suffix(".md").write_text(markdown(json.loads(results_json.read_text())))
 
 
 def wait_for_quiet_machine(max_wait_s: float) -> float:
@@ -210,14 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--card", dest="card_gb", type=float, default=1.1)
-    p.add_argument("--wait-quiet", type=float, default=300.0,
-                   help="seconds to wait for a load average below 1.5 (0: do not wait)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: write the markdown of a results file again")
+    add_quiet_run_args(p)
     args = p.parse_args(argv)
     if args.render is not None:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        render_again(args.render, markdown)
         return 0
     load_average = wait_for_quiet_machine(args.wait_quiet)
     when = datetime.datetime.now()

@@ -53,7 +53,7 @@ import requests
 
 from bench.bench import bf16_words, machine
 from bench.loadtest import ROOT, ChapterServer, free_port, kill_process_group
-from bench.tensor_parallel import wait_for_quiet_machine
+from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
 from bench.vllm_peer import (
     DEFAULT_KV_GB,
     INSTALL_COMMAND,
@@ -70,7 +70,6 @@ from bench.vllm_peer import (
     vllm_env,
 )
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LOG_DIR = Path(tempfile.gettempdir()) / "llm-course-vllm-steps"
 CLIENT = "06-openai-server/client.py"
 OFFLINE = "05-continuous-batching/offline.py"
@@ -550,15 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    choices=[1, 2, 3, 4, 5])
-    p.add_argument("--wait-quiet", type=float, default=300.0,
-                   help="seconds to wait for a load average below 1.5 (0: do not wait)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="run nothing: write the markdown of a results file again")
+    add_quiet_run_args(p)
     args = p.parse_args(argv)
     if args.render is not None:
-        Path(str(args.render).removesuffix(".json") + ".md").write_text(
-            markdown(json.loads(args.render.read_text())))
+        render_again(args.render, markdown)
         return 0
     problem = missing()
     if problem:

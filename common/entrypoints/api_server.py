@@ -78,8 +78,8 @@ from common.entrypoints.protocol import (
     refuse_unless_default,
 )
 from common.layers.sampler import SampledToken
-from common.sampling_params import SamplingParams
 from common.loader import apply_chat_template
+from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
 

@@ -28,6 +28,7 @@ metrics, and per-engine labels (one engine here).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable
 
@@ -109,10 +110,8 @@ class EngineCollector:
         family = HistogramMetricFamily("vllm:iteration_tokens_total",
                                        "Tokens per engine step (prompt computed + sampled).",
                                        labels=["model_name"])
-        cumulative, buckets = 0, []
-        for bound, count in zip(counts["bounds"] + ["+Inf"], counts["counts"]):
-            cumulative += count
-            buckets.append((str(float(bound)) if bound != "+Inf" else bound, cumulative))
+        bounds = [str(float(bound)) for bound in counts["bounds"]] + ["+Inf"]
+        buckets = list(zip(bounds, itertools.accumulate(counts["counts"])))  # cumulative
         family.add_metric([self.model_name], buckets, counts["sum"])
         return family
 

@@ -36,19 +36,6 @@ def build_forward(hf_model, attention_ops=None, tp=None):
         "llama, qwen2, mistral and gpt2 (chapters 01-02 run any model)")
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden: (N, hidden), weight: (vocab, hidden) -> logits (N, vocab).
-
-    F.linear(hidden, weight), written as weight @ hidden.T: the head is the
-    largest matrix product of a decode step (49,152 x 576 for SmolLM2), and
-    on the CPU the BLAS (MKL) is faster with the big matrix on the left,
-    read in its own row order: a quarter faster at 32 rows, several times
-    faster at 2-9 rows (measured on a 2-core AMD EPYC, torch 2.13).
-    Same dot products; the sums may round differently in the last bits
-    (as F.linear's own results already vary with the number of rows)."""
-    return (weight @ hidden.T).T.contiguous()  # (vocab, N) -> (N, vocab)
-
-
 def check_tensor_parallel(hf_config, world_size: int, quantization: str | None = None) -> None:
     """Refuse, at startup and with vLLM's wording, a model that cannot be
     split in `world_size` equal parts."""

@@ -5,8 +5,8 @@ This is the one switch of the exercises: `pytest --exercise 04` (what
 `make exercise CH=04` runs) gives the tests chapter 04's exercise files in
 place of the reference modules of `common/`. The engine takes these
 components as arguments (`LLMEngine(block_manager_cls=..., scheduler_cls=...,
-attention_ops=...)`, `Metrics(collector_cls=..., tracker_cls=...)`), so
-nothing is patched: the tests build the engine with what they are given.
+attention_ops=...)`, `Metrics(collector_cls=..., latency_logger_cls=...)`),
+so nothing is patched: the tests build the engine with what they are given.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ EXERCISES = {
     "05": Exercise("05", "05-continuous-batching", "scheduler.py",
                    ("ContinuousScheduler",), "common/engine/scheduler.py"),
     "06": Exercise("06", "06-openai-server", "metrics.py",
-                   ("EngineCollector", "RequestTracker"), "common/entrypoints/metrics.py"),
+                   ("EngineCollector", "LatencyStatLogger"), "common/entrypoints/metrics.py"),
 }
 
 
@@ -70,7 +70,7 @@ class Components:
     ContinuousScheduler: type = scheduler.ContinuousScheduler
     # ch06
     EngineCollector: type = metrics.EngineCollector
-    RequestTracker: type = metrics.RequestTracker
+    LatencyStatLogger: type = metrics.LatencyStatLogger
     exercise: str | None = field(default=None)
 
 

@@ -14,7 +14,6 @@ import signal
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import openai
 import pytest
@@ -24,6 +23,7 @@ from common.engine.async_llm import AsyncLLMEngine
 from common.entrypoints.api_server import build_app
 from common.entrypoints.chat_server import RateLimit
 from common.entrypoints.launcher import exit_code, make_server
+from common.engine.stats import FinishedRequestStats, IterationStats
 from common.entrypoints.metrics import Metrics
 from common.loader import apply_chat_template
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good
@@ -988,7 +988,7 @@ def test_the_engine_collector_reads_the_snapshot_at_scrape_time(impl):
     snapshot when Prometheus scrapes (KV usage as a fraction, not a %)."""
     snapshot = dict(SNAPSHOT)
     metrics = Metrics(lambda: snapshot, "m", lambda: True, impl.EngineCollector,
-                      impl.RequestTracker)
+                      impl.LatencyStatLogger)
     values = scrape(metrics)
     label = '{model_name="m"}'
     assert values["vllm:num_requests_running" + label] == 3
@@ -1006,34 +1006,59 @@ def test_the_engine_collector_reads_the_snapshot_at_scrape_time(impl):
     assert scrape(metrics)["vllm:num_requests_running" + label] == 7
 
 
+def finished_request(request_id: str, e2e: float, queued: float,
+                     tokens: int) -> FinishedRequestStats:
+    """A finished request's figures, as the engine fills them."""
+    decode = e2e - queued - 0.25  # after a prefill of 0.25 s
+    return FinishedRequestStats(
+        request_id=request_id, finish_reason="length", e2e_latency=e2e, num_prompt_tokens=5,
+        num_generation_tokens=tokens, max_tokens_param=tokens, queued_time=queued,
+        prefill_time=0.25, inference_time=e2e - queued, decode_time=decode,
+        mean_time_per_output_token=decode / (tokens - 1))
+
+
+def three_steps() -> list[IterationStats]:
+    """Three engine steps of two requests, a and b (both admitted at step 1)."""
+    first, second, third = IterationStats(10.0), IterationStats(10.25), IterationStats(10.5)
+    first.time_to_first_tokens_iter = [0.5, 0.75]  # a's and b's first tokens
+    second.inter_token_latencies_iter = [0.125, 0.25]  # a's and b's second tokens
+    third.inter_token_latencies_iter = [0.25]  # a's third; b finished at step 2
+    second.finished_requests = [finished_request("b", 1.5, 0.5, tokens=2)]
+    third.finished_requests = [finished_request("a", 2.0, 0.25, tokens=3)]
+    return [first, second, third]
+
+
 @pytest.mark.ex06
-def test_the_request_tracker_observes_ttft_itl_e2e_and_queue_time(impl):
-    """One request, three outputs: one TTFT, two inter-token gaps, one
-    end-to-end latency and one queue time (first step - arrival)."""
+def test_the_latency_stat_logger_observes_ttft_itl_e2e_and_queue_time(impl):
+    """Three engine steps' IterationStats: 2 TTFTs, 3 inter-token gaps, and
+    for the 2 finished requests their e2e latency and queue time; a step
+    where nothing happened observes nothing."""
     metrics = Metrics(lambda: SNAPSHOT, "m", lambda: True, impl.EngineCollector,
-                      impl.RequestTracker)
-    tracker = metrics.tracker()
-    for finished in (False, False, True):
-        tracker.on_output(SimpleNamespace(finished=finished, arrival_time=10.0,
-                                          first_scheduled_time=10.25))
+                      impl.LatencyStatLogger)
+    for step in [*three_steps(), IterationStats(10.75)]:
+        metrics.record(step)  # as the engine calls it after each step
     values = scrape(metrics)
     label = '{model_name="m"}'
-    assert values["vllm:time_to_first_token_seconds_count" + label] == 1
-    assert values["vllm:inter_token_latency_seconds_count" + label] == 2
-    assert values["vllm:e2e_request_latency_seconds_count" + label] == 1
-    assert values["vllm:request_queue_time_seconds_count" + label] == 1
-    assert values["vllm:request_queue_time_seconds_sum" + label] == pytest.approx(0.25)
-    e2e = values["vllm:e2e_request_latency_seconds_sum" + label]
-    assert values["vllm:time_to_first_token_seconds_sum" + label] <= e2e
+
+    def histogram(name: str) -> tuple[float, float]:
+        return values[f"vllm:{name}_count{label}"], values[f"vllm:{name}_sum{label}"]
+
+    assert histogram("time_to_first_token_seconds") == (2, 1.25)
+    assert histogram("inter_token_latency_seconds") == (3, 0.625)
+    assert histogram("e2e_request_latency_seconds") == (2, 3.5)
+    assert histogram("request_queue_time_seconds") == (2, 0.75)
+    assert values['vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="m"}'] == 1
+    assert values['vllm:inter_token_latency_seconds_bucket{le="0.15",model_name="m"}'] == 1
 
 
 @pytest.mark.ex06
 def test_metrics_endpoint_of_a_served_engine(embedded, impl):
-    """The app serves the metrics it is given: after a chat and a stream,
-    /metrics counts them with vLLM's names."""
+    """The app serves the metrics it is given, and the engine times every
+    token: after a chat (one output) and a stream (four), /metrics counts
+    them with vLLM's names, 3 inter-token gaps each."""
     engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
     metrics = Metrics(engine.snapshot, "local", lambda: engine.alive, impl.EngineCollector,
-                      impl.RequestTracker)
+                      impl.LatencyStatLogger)
     local = LocalServer(engine=engine, metrics=metrics)
     try:
         answer = local_chat(local, max_tokens=4)
@@ -1045,5 +1070,6 @@ def test_metrics_endpoint_of_a_served_engine(embedded, impl):
             in text
         assert 'vllm:generation_tokens_total{model_name="local"} 8.0' in text
         assert 'vllm:time_to_first_token_seconds_count{model_name="local"} 2.0' in text
+        assert 'vllm:inter_token_latency_seconds_count{model_name="local"} 6.0' in text
     finally:
         local.stop()

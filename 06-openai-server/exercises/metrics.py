@@ -8,30 +8,34 @@ server (or Grafana, or `curl`) can read:
   the same dict as `/stats`) and yields gauges and counters built from
   it. Nothing is stored between scrapes, so the figures can never drift
   from the engine's, and the engine loop does no extra work.
-- `RequestTracker`, one per sequence: the server calls `on_output(output)`
-  for each output of that sequence as it arrives, and the tracker
-  observes time to first token, inter-token latency, end-to-end latency
-  and queue time into the histograms of the `Metrics` object it is given.
+- `LatencyStatLogger`, the latency half of vLLM's
+  `PrometheusStatLogger.record`: the engine times every token itself,
+  once per step, and after each step hands every stat logger that step's
+  `IterationStats` (common/engine/stats.py); `record` observes its time
+  to first token, inter-token latencies, and for each request that
+  finished its end-to-end latency and queue time, into the histograms
+  of the `Metrics` object it is given.
 
-`Metrics` (the registry and the four histograms) stays the reference's,
-in common/entrypoints/metrics.py: read it first, for the histograms'
-names and how `Metrics(..., collector_cls=..., tracker_cls=...)` builds
-your two classes.
+`Metrics` (the registry and the histograms) stays the reference's, in
+common/entrypoints/metrics.py: read it first, for the histograms' names
+and how `Metrics(..., collector_cls=..., latency_logger_cls=...)` builds
+your two classes (`Metrics.record`, which the engine calls after each
+step, calls your `record`).
 
 Graded by `make exercise CH=06` (the tests marked `ex06` in
-tests/test_ch06_server.py: the collector on a fixed snapshot, the tracker
-on three fake outputs, then /metrics of a served engine). The reference
-is common/entrypoints/metrics.py: peek only when stuck. exercises/README.md
-has the tasks in order and hints.
+tests/test_ch06_server.py: the collector on a fixed snapshot, the logger
+on three steps' IterationStats, then /metrics of a served engine). The
+reference is common/entrypoints/metrics.py: peek only when stuck.
+exercises/README.md has the tasks in order and hints.
 
-Given: `RequestTracker.__init__` (add to it what you need). Left out, as
-in the reference: vLLM's per-iteration histograms (tokens per
-step, prefill and decode time), the request parameter histograms and the
-speculative-decoding and LoRA metrics.
+Given: `LatencyStatLogger.__init__`. Left out of the exercise, done by
+the reference: the tokens-per-step histogram (its collector), the
+histograms of each request's tokens, parameters and prefill, decode and
+inference times (`Metrics.record`, `Metrics.record_parent`). Left out of
+both: the speculative-decoding and LoRA metrics.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,29 +85,34 @@ class EngineCollector:
         raise NotImplementedError("collect: yield the gauges and counters of one snapshot()")
 
 
-class RequestTracker:
-    """Observes one sequence's latencies as its outputs arrive at the server."""
+class LatencyStatLogger:
+    """One engine step's IterationStats into the four latency histograms."""
 
     def __init__(self, metrics):
         """`metrics`: the `Metrics` object (common/entrypoints/metrics.py),
         with the histograms `ttft`, `itl`, `e2e` and `queue_time` (each
         already labelled with the model name: call `.observe(seconds)`).
-        The server makes the tracker when the request arrives."""
+        `Metrics.__init__` builds the logger."""
         self.metrics = metrics
-        self.start = time.monotonic()  # when the request reached the server
 
-    def on_output(self, output) -> None:
-        """One output of the sequence (a RequestOutput; its times are
-        `time.monotonic()`): `output.finished`, `output.arrival_time`,
-        `output.first_scheduled_time` (None until the engine first ran it).
+    def record(self, iteration_stats) -> None:
+        """One engine step (an `IterationStats`, common/engine/stats.py; its
+        times are seconds, measured by the engine at the step's one
+        timestamp, for every request, streamed or not):
 
-        Observe, using time.monotonic() now:
-        - the first output: time to first token (now - start) and the
-          queue time (first_scheduled_time - arrival_time, when known);
-        - every later output: the inter-token latency (the gap since the
-          previous output);
-        - the last output (`output.finished`): the end-to-end latency.
+        - `iteration_stats.time_to_first_tokens_iter`: a list, one time to
+          first token (arrival -> first token) per request that got its
+          first token at this step;
+        - `iteration_stats.inter_token_latencies_iter`: a list, one gap
+          (previous token -> this one) per request that got a later token;
+        - `iteration_stats.finished_requests`: a list of
+          `FinishedRequestStats`, one per request that finished at this
+          step, with `.e2e_latency` (arrival -> its last token) and
+          `.queued_time` (arrival -> its first step).
+
+        Observe each of them into its histogram, and nothing else: the
+        engine has done the timing, and keeps no state here across steps.
         """
-        # Hint: you need one more piece of state, set in __init__.
-        raise NotImplementedError("on_output: observe TTFT and queue time, then inter-token "
-                                  "gaps, then e2e latency")
+        raise NotImplementedError("record: observe each TTFT and inter-token latency of the "
+                                  "step, and the e2e latency and queue time of each finished "
+                                  "request")

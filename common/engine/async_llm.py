@@ -19,6 +19,11 @@ class: they never touch the engine's scheduler or blocks.
 - `snapshot()` (what `/stats` and `/metrics` show) reads the figures the
   loop published after its last step: it never waits for a step, so a
   client polling `/stats` cannot slow the engine or the other requests.
+- A request's `arrival_time` is when it reached `add_request`, on the
+  event loop: its time to first token and e2e latency (timed by the
+  engine, ch06) include its wait for the loop thread to take it in.
+  `add_stat_logger` (ch06: the Prometheus `Metrics`) gets each step's
+  `IterationStats`, on the loop thread.
 
 Left out: a separate engine process (vLLM v1's EngineCore over ZeroMQ).
 """
@@ -28,6 +33,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine
@@ -125,6 +131,11 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.close()
 
+    def add_stat_logger(self, logger) -> None:
+        """ch06: `logger.record(iteration_stats)` after every step, called
+        on the engine loop's thread (see `LLMEngine.add_stat_logger`)."""
+        self.engine.add_stat_logger(logger)
+
     def snapshot(self) -> dict:
         """The engine's figures as of its last step (no lock, no waiting)."""
         stats = dict(self._published)
@@ -134,15 +145,19 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> "RequestStream":
+                    params: SamplingParams, arrival_time: float | None = None
+                    ) -> "RequestStream":
         """Queue a validated request for the engine loop now; read its
-        outputs from the returned stream."""
+        outputs from the returned stream. `arrival_time` (`time.monotonic()`):
+        now unless given (a server may pass when the HTTP request came in)."""
+        if arrival_time is None:
+            arrival_time = time.monotonic()
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         self._num_added += 1
-        self._inbox.put(("add", request_id, (prompt_token_ids, params)))
+        self._inbox.put(("add", request_id, (prompt_token_ids, params, arrival_time)))
         self._wakeup.set()
         return stream
 

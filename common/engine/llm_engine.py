@@ -5,7 +5,8 @@
     batch   = scheduler.schedule()                  # who runs, how many tokens each
     sampled = runner.run(batch)                     # one forward pass, one sampler call
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
-    outputs = output_processor.process(seqs)        # text, stop strings, deltas
+    outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
+    for logger in stat_loggers: logger.record(iteration_stats)   # ch06: the step's times
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the
 offline `LLM`) validate each one once with `check_request` before
@@ -23,16 +24,22 @@ processes that it starts (common/engine/tp_workers.py) and stops in
 `close()`. The scheduler sees one cache of `num_blocks` blocks; each rank
 holds its KV heads' part of every block.
 
+ch06, latencies: every new token is timed here, once per step, whatever
+the request's output kind (`IterationStats`, common/engine/stats.py: time
+to first token from the request's `arrival_time`, inter-token latencies,
+and when a request finishes its e2e, queue, prefill and decode times).
+Each stat logger (`add_stat_logger`, vLLM's name: chapter 06's Prometheus
+`Metrics`) gets the step's `IterationStats`; one that raises is logged,
+and the engine goes on.
+
 Left out: an engine core in its own process (vLLM's v1 runs it apart from
 the API server, over ZeroMQ), LoRA, multimodal inputs.
 The async front that servers use is common/engine/async_llm.py.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +51,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.output_processor import OutputProcessor, RequestOutput
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
+from common.engine.stats import EngineStats, IterationStats
 from common.engine.tp_workers import RankReport, TPWorkers, start_ranks
 from common.layers.parallel import SINGLE_RANK
 from common.layers.quantization import CpuPackedQuantOps, quantize_linears
@@ -93,48 +101,6 @@ def default_max_tokens(num_prompt_tokens: int, room: int, fill: bool = False) ->
     least 1, so that a prompt too long fails the context check."""
     left = room - num_prompt_tokens
     return max(1, left if fill else min(DEFAULT_MAX_TOKENS, left))
-
-
-# vLLM's buckets for the tokens of one engine step (vllm:iteration_tokens_total).
-ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-@dataclass
-class BucketCounts:
-    """A histogram kept as plain counts (the engine knows no Prometheus):
-    `counts[i]` observations <= `bounds[i]` and above the bound before it;
-    the last count is above every bound."""
-    bounds: tuple[int, ...]
-    counts: list[int] = field(default_factory=list)
-    total: int = 0  # the sum of the observed values
-
-    def __post_init__(self) -> None:
-        self.counts = self.counts or [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: int) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def as_dict(self) -> dict:
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    # vLLM's prefix-cache figures, in tokens: a new request's tokens looked
-    # up, and those found (the block manager counts blocks, chapter 04)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    iteration_tokens: BucketCounts = field(  # tokens per step (prompt computed + sampled)
-        default_factory=lambda: BucketCounts(ITERATION_TOKENS_BUCKETS))
-    peak_running: int = 0
-    peak_reserved_slots: int = 0
-    peak_used_slots: int = 0
-    sum_reserved_slots: int = 0  # over steps, for the time-averaged waste
-    sum_used_slots: int = 0
-    finished: dict = field(default_factory=dict)  # finish reason -> count
 
 
 class LLMEngine:
@@ -204,6 +170,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self.stats = EngineStats()
+        self.stat_loggers: list = []  # ch06: add_stat_logger; each records every step
         self._seed_counter = config.seed
         self.log_interval_s = log_interval_s
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
@@ -237,8 +204,10 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks}: it can never fit on this card.")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Queue a request that `check_request` accepted."""
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Queue a request that `check_request` accepted. `arrival_time`
+        (`time.monotonic()`, default now): when it reached the engine's
+        async front; its time to first token, e2e and queue times run from it."""
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
         seed = params.seed
@@ -248,7 +217,8 @@ class LLMEngine:
         sampling = RequestSamplingState(  # built once: see common/layers/sampler.py
             params, prompt_token_ids, self.loaded.model.config.vocab_size,
             sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))
-        seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling)
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
@@ -271,7 +241,9 @@ class LLMEngine:
         prompt_tokens = self._count_scheduled(batch)
         sampled = self.runner.run(batch)
         updated = self.scheduler.update_from_output(batch, sampled)
-        outputs, to_finish = self.output_processor.process(updated)
+        iteration_stats = IterationStats(time.monotonic())  # ch06: every new token's time
+        iteration_stats.num_prompt_tokens = prompt_tokens
+        outputs, to_finish = self.output_processor.process(updated, iteration_stats)
         for finish in to_finish:  # stop strings, and failures while processing
             self.scheduler.finish(finish.seq, finish.reason, finish.error)
         for output in outputs:
@@ -282,6 +254,7 @@ class LLMEngine:
         self.stats.generation_tokens += generated
         self.stats.iteration_tokens.observe(prompt_tokens + generated)
         self._update_stats()
+        self._record(iteration_stats)
         self._maybe_log(idle=not self.has_unfinished_requests())
         return outputs
 
@@ -302,6 +275,20 @@ class LLMEngine:
         return prompt_tokens
 
     # ------------------------------------------------------------ figures
+    def add_stat_logger(self, logger) -> None:
+        """ch06: `logger.record(iteration_stats)` after every step (vLLM's
+        stat loggers; chapter 06's Prometheus `Metrics` is one). The list is
+        replaced, never changed in place: another thread may add a logger
+        while the engine loop goes through the list."""
+        self.stat_loggers = [*self.stat_loggers, logger]
+
+    def _record(self, iteration_stats: IterationStats) -> None:
+        for logger in self.stat_loggers:
+            try:
+                logger.record(iteration_stats)
+            except Exception:  # noqa: BLE001 - a figure lost, never the engine
+                log.exception("stat logger %r failed; the engine goes on", logger)
+
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 

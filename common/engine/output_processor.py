@@ -13,8 +13,16 @@ After each step the engine hands the sequences that got a token to
    string is held back, never sent, and a stop string is cut off the
    answer;
 3. builds the request's `RequestOutput`: with `RequestOutputKind.DELTA`
-   (the servers) the new tokens and text of this step, with `FINAL_ONLY`
-   (the offline `LLM`) everything, once, when the request finishes.
+   (streams) the new tokens and text of this step, with `FINAL_ONLY`
+   (whole answers, the offline `LLM`) everything, once, when the request
+   finishes;
+4. (ch06) times the new token into the step's `IterationStats`
+   (common/engine/stats.py), whatever the output kind: the time to first
+   token or the gap since the request's previous token, all at the
+   step's one timestamp, and a `FinishedRequestStats` when the request
+   finishes (e2e, queue, prefill, decode and inference times, time per
+   output token). The engine hands them to its stat loggers: a request
+   that receives one output still has every inter-token latency measured.
 
 It also returns the sequences to finish now (a stop string matched); an
 exception while processing one sequence finishes that request with an
@@ -32,6 +40,7 @@ import ahocorasick
 
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.sequence import Sequence
+from common.engine.stats import IterationStats, RequestStateStats
 from common.layers.sampler import SampledToken
 from common.sampling_params import RequestOutputKind
 
@@ -52,9 +61,6 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     error: str | None
     num_cached_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
 
 
 class StopStrings:
@@ -83,10 +89,12 @@ class RequestState:
     released: list[str] = field(default_factory=list)  # text pieces sent (or to send)
     held: str = ""  # decoded, not released: could be the start of a stop string
     stops: StopStrings | None = None  # None: the request has no stop strings
+    stats: RequestStateStats = field(init=False)  # ch06: its times, across steps
 
     def __post_init__(self) -> None:
         if self.seq.params.stop:
             self.stops = StopStrings(self.seq.params.stop)
+        self.stats = RequestStateStats(self.seq.arrival_time)
 
     @property
     def hold_chars(self) -> int:
@@ -113,15 +121,19 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def process(self, seqs: list[Sequence]) -> tuple[list[RequestOutput], list[Finish]]:
+    def process(self, seqs: list[Sequence], iteration_stats: IterationStats | None = None
+                ) -> tuple[list[RequestOutput], list[Finish]]:
         """Outputs for the sequences that got a token (or failed) this step,
         and the sequences to finish now: a stop string matched, or
-        processing failed."""
+        processing failed. `iteration_stats` (the engine's, one per step):
+        where each new token is timed and each finished request recorded."""
         outputs, to_finish = [], []
         for seq in seqs:
             state = self.states[seq.request_id]
             reason, error, new_text = seq.finish_reason, seq.error, ""
             if error is None:  # a row that failed to sample has no new token
+                if iteration_stats is not None:
+                    iteration_stats.update_from_output(state.stats, seq.first_scheduled_time)
                 try:
                     new_text, stop_matched = self._new_text(state, reason is not None)
                     if stop_matched:
@@ -136,6 +148,10 @@ class OutputProcessor:
                 outputs.append(output)
             if reason is not None:
                 del self.states[seq.request_id]
+                if iteration_stats is not None:
+                    iteration_stats.update_from_finished_request(
+                        seq.request_id, reason, seq.num_prompt_tokens, seq.params.max_tokens,
+                        state.stats)
         return outputs, to_finish
 
     def _new_text(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
@@ -173,6 +189,4 @@ class OutputProcessor:
             return None
         return RequestOutput(
             seq.request_id, seq.prompt_token_ids, token_ids, text, logprobs,
-            seq.num_output_tokens, done, reason, error,
-            seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
-            seq.first_token_time)
+            seq.num_output_tokens, done, reason, error, seq.num_cached_tokens)

@@ -48,9 +48,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # what went wrong, when finish_reason is "error"
     sampling: RequestSamplingState | None = None  # built by the engine (None: scheduler tests)
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    arrival_time: float = field(default_factory=time.monotonic)  # or the async front's
+    first_scheduled_time: float | None = None  # set by the engine at its first step
 
     def __post_init__(self) -> None:
         # Prompt + output in one list, appended once per token: the runner
@@ -76,8 +75,6 @@ class Sequence:
         self.output_logprobs.append(sampled)
         if self.sampling is not None:
             self.sampling.append(sampled.token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
 
     def check_stop(self, eos_token_ids: set[int], max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to go on.

@@ -4,17 +4,22 @@ Three kinds of figures:
 
 - what the engine already counts (queues, KV usage, tokens, preemptions,
   prefix-cache hits, finished requests, tokens per step) is read from
-  `engine.snapshot()` at scrape time by a custom collector: the figures
-  the engine loop published after its last step, the same as `/stats`
-  shows, read without waiting for a step;
-- latencies are observed by the server as each request's outputs arrive
-  (`RequestTracker`): time to first token, inter-token latency,
-  end-to-end latency, and the time spent waiting in the queue;
-- when a sequence finishes (`SequenceMetrics`): its prompt and generated
-  tokens, its `max_tokens`, its prefill, decode and inference times and
-  its time per output token; when all n choices of a prompt have
-  finished (`ParentRequest`, vLLM's name): `n` and the most tokens one of
-  them generated.
+  `engine.snapshot()` at scrape time by a custom collector
+  (`EngineCollector`): the figures the engine loop published after its
+  last step, the same as `/stats` shows, read without waiting for a step;
+- latencies and per-request figures are measured by the engine itself,
+  once per step, for every token of every request (streamed or not):
+  `Metrics` is one of the engine's stat loggers (vLLM's
+  `PrometheusStatLogger`; the server registers it with
+  `engine.add_stat_logger(metrics)`), and `Metrics.record` observes each
+  step's `IterationStats` (common/engine/stats.py): time to first token,
+  inter-token latency, and for each request that finished its end-to-end
+  latency and queue time (these four in `LatencyStatLogger`, chapter 06's
+  exercise), its prompt and generated tokens, its `max_tokens`, its
+  prefill, decode and inference times and its time per output token;
+- when all n choices of a prompt have finished, `n` and the most tokens
+  one of them generated: the engine knows no parent request (the server
+  sends n engine requests), so the server calls `record_parent`.
 
 Every metric carries a `model_name` label, as vLLM's do, and the units are
 vLLM's: seconds, tokens (the prefix cache counts tokens, not blocks), KV
@@ -24,18 +29,20 @@ repository) reads only these names: all 12 of its panels have data
 against chapter 06 (06-openai-server/README.md).
 
 Left out: the speculative-decoding, LoRA, KV-connector and multimodal
-metrics, and per-engine labels (one engine here).
+metrics, the per-request preemption and prefill-KV histograms, and
+per-engine labels (one engine here).
 """
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.engine.stats import IterationStats
 
 # Buckets close to vLLM's (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -117,24 +124,27 @@ class EngineCollector:
 
 
 class Metrics:
-    """One registry per server: the engine's figures and the request histograms."""
+    """One registry per server: the engine's figures (a collector read at
+    scrape time) and the request histograms, observed as a stat logger of
+    the engine (`record`, after every step) and by the server
+    (`record_parent`)."""
 
     def __init__(self, snapshot: Callable[[], dict], model_name: str,
                  alive: Callable[[], bool] = lambda: True,
-                 collector_cls: type = None, tracker_cls: type = None,
+                 collector_cls: type = None, latency_logger_cls: type = None,
                  max_model_len: int = 8192, cache_config: dict | None = None):
-        """`collector_cls`, `tracker_cls`: EngineCollector and RequestTracker
-        unless given (the exercise of chapter 06 gives the learner's).
-        `cache_config`: vllm:cache_config_info's labels."""
+        """`collector_cls`, `latency_logger_cls`: EngineCollector and
+        LatencyStatLogger unless given (the exercise of chapter 06 gives the
+        learner's). `cache_config`: vllm:cache_config_info's labels."""
         self.registry = CollectorRegistry()
         self.registry.register((collector_cls or EngineCollector)(snapshot, model_name, alive))
-        self.tracker_cls = tracker_cls or RequestTracker
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
+        # The four latencies (LatencyStatLogger).
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Time from request arrival to its first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
@@ -144,7 +154,7 @@ class Metrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Time a request waited before its first step.",
                                     REQUEST_BUCKETS)
-        # When a sequence finishes (SequenceMetrics).
+        # When a request finishes (FinishedRequestStats).
         self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Time from a "
                                       "request's first step to its first token.",
                                       REQUEST_BUCKETS)
@@ -163,7 +173,7 @@ class Metrics:
                                            "Tokens generated by a finished request.", tokens)
         self.max_tokens = histogram("vllm:request_params_max_tokens",
                                     "The max_tokens parameter of a finished request.", tokens)
-        # When the n choices of a prompt have all finished (ParentRequest).
+        # When the n choices of a prompt have all finished (record_parent).
         self.params_n = histogram("vllm:request_params_n",
                                   "The n parameter of a finished request.", N_BUCKETS)
         self.max_num_generation_tokens = histogram(
@@ -173,83 +183,47 @@ class Metrics:
             info = Gauge("vllm:cache_config_info", "The KV cache's configuration.",
                          sorted(cache_config), registry=self.registry)
             info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
+        self.latency_logger = (latency_logger_cls or LatencyStatLogger)(self)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def tracker(self) -> "RequestTracker":
-        return self.tracker_cls(self)
+    def record(self, iteration_stats: IterationStats) -> None:
+        """A stat logger of the engine (`engine.add_stat_logger(metrics)`):
+        one step's `IterationStats`, on the engine loop's thread."""
+        self.latency_logger.record(iteration_stats)
+        for finished in iteration_stats.finished_requests:
+            self.prompt_tokens.observe(finished.num_prompt_tokens)
+            self.generation_tokens.observe(finished.num_generation_tokens)
+            self.max_tokens.observe(finished.max_tokens_param)
+            self.prefill_time.observe(finished.prefill_time)
+            self.decode_time.observe(finished.decode_time)
+            self.inference_time.observe(finished.inference_time)
+            if finished.num_generation_tokens > 1:  # vLLM observes a 0 for one token
+                self.time_per_output_token.observe(finished.mean_time_per_output_token)
 
-    def sequence(self, max_tokens: int, parent: "ParentRequest") -> "SequenceMetrics":
-        """What observes one choice: its latencies, then its totals."""
-        return SequenceMetrics(self, self.tracker(), max_tokens, parent)
+    def record_parent(self, n: int, num_generation_tokens: list[int]) -> None:
+        """The server, once all n choices of a prompt have finished (n = 1
+        too): `n`, and the most tokens one choice generated (vLLM's
+        `ParentRequest`; each choice is an engine request of its own)."""
+        self.params_n.observe(n)
+        self.max_num_generation_tokens.observe(max(num_generation_tokens))
 
-    def parent(self, n: int) -> "ParentRequest":
-        return ParentRequest(self, n)
 
-
-class RequestTracker:
-    """Observes one sequence's latencies as its outputs arrive at the server."""
+class LatencyStatLogger:
+    """vLLM's `PrometheusStatLogger.record`, its latency half: one engine
+    step's `IterationStats` into the four latency histograms."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
-        self.start = time.monotonic()
-        self.last_token_at: float | None = None
 
-    def on_output(self, output) -> None:
-        """`output`: a RequestOutput (engine times are time.monotonic())."""
-        now = time.monotonic()
-        if self.last_token_at is None:
-            self.metrics.ttft.observe(now - self.start)
-            if output.first_scheduled_time is not None:
-                self.metrics.queue_time.observe(output.first_scheduled_time
-                                                - output.arrival_time)
-        else:
-            self.metrics.itl.observe(now - self.last_token_at)
-        self.last_token_at = now
-        if output.finished:
-            self.metrics.e2e.observe(now - self.start)
-
-
-class ParentRequest:
-    """The n choices of one prompt (vLLM's name): once all have finished,
-    `n` and the most tokens one of them generated."""
-
-    def __init__(self, metrics: Metrics, n: int):
-        self.metrics, self.n = metrics, n
-        self.generated: list[int] = []
-
-    def child_finished(self, num_generation_tokens: int) -> None:
-        self.generated.append(num_generation_tokens)
-        if len(self.generated) == self.n:
-            self.metrics.params_n.observe(self.n)
-            self.metrics.max_num_generation_tokens.observe(max(self.generated))
-
-
-class SequenceMetrics:
-    """One choice's metrics: the latency tracker (chapter 06's exercise),
-    then, when it finishes, vLLM's per-request histograms."""
-
-    def __init__(self, metrics: Metrics, tracker, max_tokens: int, parent: ParentRequest):
-        self.metrics, self.tracker = metrics, tracker
-        self.max_tokens, self.parent = max_tokens, parent
-
-    def on_output(self, output) -> None:
-        self.tracker.on_output(output)
-        if output.finished:
-            self._finished(output, time.monotonic())
-
-    def _finished(self, output, now: float) -> None:
-        m, generated = self.metrics, output.num_output_tokens
-        m.prompt_tokens.observe(len(output.prompt_token_ids))
-        m.generation_tokens.observe(generated)
-        m.max_tokens.observe(self.max_tokens)
-        if output.first_scheduled_time is not None and output.first_token_time is not None:
-            m.prefill_time.observe(output.first_token_time - output.first_scheduled_time)
-            m.decode_time.observe(now - output.first_token_time)
-            m.inference_time.observe(now - output.first_scheduled_time)
-            if generated > 1:
-                m.time_per_output_token.observe((now - output.first_token_time)
-                                                / (generated - 1))
-        self.parent.child_finished(generated)
+    def record(self, iteration_stats: IterationStats) -> None:
+        m = self.metrics
+        for ttft in iteration_stats.time_to_first_tokens_iter:
+            m.ttft.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            m.itl.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            m.e2e.observe(finished.e2e_latency)
+            m.queue_time.observe(finished.queued_time)

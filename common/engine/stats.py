@@ -1,0 +1,160 @@
+"""The engine's figures (ch05-06): running totals, and what each step did.
+
+Two kinds, as in vLLM v1 (vllm/v1/metrics/stats.py, whose names these are):
+
+- running totals for `LLMEngine.snapshot()` (`EngineStats`; tokens per
+  step as plain bucket counts, `BucketCounts`): what `/stats` shows and
+  `/metrics` reads at scrape time;
+- per step, `IterationStats`: the step's prompt and generated tokens, the
+  time to first token of each request that got its first token, the
+  inter-token latency of each that got another, and a
+  `FinishedRequestStats` for each request that finished. The output
+  processor fills it, sequence by sequence, from each request's
+  `RequestStateStats` (its times so far); `LLMEngine.step()` then hands
+  it to every stat logger (`LLMEngine.add_stat_logger`: chapter 06's
+  Prometheus `Metrics`).
+
+Every new token is timed in the engine, once per step: all the tokens of
+a step share that step's `iteration_timestamp`, whatever the request's
+`RequestOutputKind` (a FINAL_ONLY request receives one output, yet each
+of its tokens is timed). Times are `time.monotonic()` seconds; a
+request's `arrival_time` is when it reached the engine's async front
+(`AsyncLLMEngine.add_request`) or, offline, `LLMEngine.add_request`.
+
+Left out: vLLM's `SchedulerStats` (the snapshot plays its part), its
+frontend wall-clock arrival time beside the engine core's monotonic
+times (one clock here; the queue time runs from arrival, not from a
+separate QUEUED event), per-request preemption counts, per-step
+prefix-cache stats (counted in `EngineStats`), the split of prompt tokens
+by source, LoRA, speculative-decoding, NaN-corruption and KV-eviction
+figures. A request aborted (client gone) or failed before its first token
+gives no `FinishedRequestStats`: it has no latencies to observe (its
+finish is still counted in `EngineStats.finished`).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# vLLM's buckets for the tokens of one engine step (vllm:iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class BucketCounts:
+    """A histogram kept as plain counts (the engine knows no Prometheus):
+    `counts[i]` observations <= `bounds[i]` and above the bound before it;
+    the last count is above every bound."""
+    bounds: tuple[int, ...]
+    counts: list[int] = field(default_factory=list)
+    total: int = 0  # the sum of the observed values
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: int) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
+
+
+@dataclass
+class EngineStats:
+    """The engine's running totals since it started (`snapshot()`)."""
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    # vLLM's prefix-cache figures, in tokens: a new request's tokens looked
+    # up, and those found (the block manager counts blocks, chapter 04)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    iteration_tokens: BucketCounts = field(  # tokens per step (prompt computed + sampled)
+        default_factory=lambda: BucketCounts(ITERATION_TOKENS_BUCKETS))
+    peak_running: int = 0
+    peak_reserved_slots: int = 0
+    peak_used_slots: int = 0
+    sum_reserved_slots: int = 0  # over steps, for the time-averaged waste
+    sum_used_slots: int = 0
+    finished: dict = field(default_factory=dict)  # finish reason -> count
+
+
+@dataclass
+class RequestStateStats:
+    """One unfinished request's times so far (vLLM's name), kept by the
+    output processor across steps. vLLM calls the last three
+    `scheduled_ts`, `first_token_ts`, `last_token_ts`."""
+    arrival_time: float
+    first_scheduled_time: float | None = None  # its first step (a preemption does not reset it)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """A finished request's figures (vLLM's names), in seconds and tokens."""
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "error"
+    e2e_latency: float  # arrival -> the step that finished it (its last token's)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int
+    queued_time: float  # arrival -> first step
+    prefill_time: float  # first step -> first token
+    inference_time: float  # first step -> last token
+    decode_time: float  # first token -> last token
+    mean_time_per_output_token: float  # decode_time / (tokens - 1); 0 for one token
+
+
+class IterationStats:
+    """What one engine step did (vLLM's name), for the stat loggers. All
+    its times are taken at `iteration_timestamp`, once per step."""
+
+    def __init__(self, iteration_timestamp: float):
+        self.iteration_timestamp = iteration_timestamp
+        self.num_prompt_tokens = 0  # prompt tokens computed this step
+        self.num_generation_tokens = 0
+        self.time_to_first_tokens_iter: list[float] = []  # arrival -> first token
+        self.inter_token_latencies_iter: list[float] = []  # previous token -> this one
+        self.finished_requests: list[FinishedRequestStats] = []
+
+    def __repr__(self) -> str:
+        return f"IterationStats({vars(self)})"
+
+    def update_from_output(self, req_stats: RequestStateStats,
+                           first_scheduled_time: float) -> None:
+        """One request got a new token this step. `first_scheduled_time`:
+        the engine's stamp of its first step (`Sequence.first_scheduled_time`),
+        kept at its first token."""
+        now = self.iteration_timestamp
+        if req_stats.num_generation_tokens == 0:
+            req_stats.first_scheduled_time = first_scheduled_time
+            req_stats.first_token_time = now
+            self.time_to_first_tokens_iter.append(now - req_stats.arrival_time)
+        else:
+            self.inter_token_latencies_iter.append(now - req_stats.last_token_time)
+        req_stats.last_token_time = now
+        req_stats.num_generation_tokens += 1
+        self.num_generation_tokens += 1
+
+    def update_from_finished_request(self, request_id: str, finish_reason: str,
+                                     num_prompt_tokens: int, max_tokens_param: int,
+                                     req_stats: RequestStateStats) -> None:
+        """A request finished this step (after its last `update_from_output`).
+        One that never got a token has no latencies: nothing is recorded."""
+        if req_stats.num_generation_tokens == 0:
+            return
+        arrival, scheduled = req_stats.arrival_time, req_stats.first_scheduled_time
+        first, last = req_stats.first_token_time, req_stats.last_token_time
+        decode_time = last - first
+        generated = req_stats.num_generation_tokens
+        self.finished_requests.append(FinishedRequestStats(
+            request_id=request_id, finish_reason=finish_reason,
+            e2e_latency=self.iteration_timestamp - arrival,
+            num_prompt_tokens=num_prompt_tokens, num_generation_tokens=generated,
+            max_tokens_param=max_tokens_param,
+            queued_time=scheduled - arrival,
+            prefill_time=first - scheduled, inference_time=last - scheduled,
+            decode_time=decode_time,
+            mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0))

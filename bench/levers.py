@@ -146,7 +146,7 @@ def measure(lever: str, load: Load, prompts: list[list[int]]) -> dict:
         per_seq = blocks_per_sequence(prompts, load.max_tokens, engine.block_size)
         row = {
             "lever": lever, "flags": LEVERS[lever],
-            "weights_mib": engine.weight_bytes / MiB,
+            "weights_mib": engine.worker.weight_bytes / MiB,
             "ranks": engine.config.tensor_parallel_size,
             "kv_blocks": engine.block_manager.num_blocks,
             "sequences_that_fit": int(engine.block_manager.num_blocks // per_seq),

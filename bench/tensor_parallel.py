@@ -40,9 +40,8 @@ from typing import Callable
 from bench.bench import machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
-from common.engine.kv_cache import KVCache
 from common.engine.llm_engine import LLMEngine
-from common.engine.tp_workers import RankReport
+from common.engine.worker import RankReport
 from common.loader import apply_chat_template, load_model
 from common.memory import MiB
 from common.sampling_params import SamplingParams
@@ -77,12 +76,7 @@ def wait_for_quiet_machine(max_wait_s: float) -> float:
 
 
 def rank_reports(engine: LLMEngine) -> list[RankReport]:
-    if engine.workers is not None:
-        return engine.workers.reports
-    cfg, dtype = engine.loaded.model.config, engine.loaded.dtype
-    blocks = engine.block_manager.num_blocks
-    return [RankReport(0, engine.weight_bytes, blocks, blocks,
-                       KVCache.bytes_per_block(cfg, engine.block_size, dtype))]
+    return engine.workers.reports if engine.workers is not None else [engine.worker.report]
 
 
 def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -90,7 +84,7 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> di
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
-    comm = engine.tp.stats
+    comm = engine.worker.tp.stats
     steps, start = 0, time.perf_counter()
     comm_before = (comm.all_reduce_calls, comm.all_reduce_bytes, comm.all_reduce_seconds)
     while engine.has_unfinished_requests():

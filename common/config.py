@@ -1,9 +1,11 @@
 """Engine arguments, named like vLLM's command-line flags (ch01, grown by each chapter).
 
 Every chapter's server parses the same flags (`add_engine_args`), then keeps
-the ones its components use. Chapter 03 switches on the KV cache, chapter 04
-`--block-size` and `--enable-prefix-caching`, chapter 05 the scheduler limits
-(`--max-num-seqs`, `--max-num-batched-tokens`), chapter 06 the API flags and the levers of
+the ones its components use. Chapter 03 switches on the KV cache (its
+server sets `block_size=None`: one region of `max_model_len` slots per
+sequence), chapter 04 `--block-size` and `--enable-prefix-caching`,
+chapter 05 the scheduler limits (`--max-num-seqs`,
+`--max-num-batched-tokens`), chapter 06 the API flags and the levers of
 `vllm serve`: `--quantization`, `--tensor-parallel-size`.
 
 Left out: pipeline parallelism, LoRA, speculative decoding, and every vLLM
@@ -28,8 +30,9 @@ class EngineConfig:
     # The card (common/memory.py).
     device_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
-    # The KV cache (ch03-04).
-    block_size: int = 16
+    # The KV cache (ch03-04). None: chapter 03's one block of max_model_len
+    # slots per sequence (a contiguous region); ch04: small blocks.
+    block_size: int | None = 16
     enable_prefix_caching: bool = False
     # The scheduler (ch05).
     max_num_seqs: int = 64
@@ -46,6 +49,10 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    def context_length(self, model_max_len: int) -> int:
+        """`--max-model-len`, at most the model's own context length."""
+        return min(self.max_model_len or model_max_len, model_max_len)
 
     @property
     def prefill_cap(self) -> int:

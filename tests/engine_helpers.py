@@ -8,16 +8,16 @@ from common.sampling_params import SamplingParams
 from tests.components import Components
 
 
-def make_engine(loaded, policy="continuous", contiguous=False, num_blocks=None, impl=None,
-                **config):
+def make_engine(loaded, policy="continuous", num_blocks=None, impl=None, **config):
     """policy: "static" (ch03-04) or "continuous" (ch05). `impl`: the
-    components to build it with (tests/components.py; default: reference)."""
+    components to build it with (tests/components.py; default: reference).
+    `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions)."""
     impl = impl or Components()
     config.setdefault("device_memory_gb", 2.0)
     scheduler_cls = StaticScheduler if policy == "static" else impl.ContinuousScheduler
     return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
-                     num_blocks=num_blocks, block_size_is_max_model_len=contiguous,
-                     block_manager_cls=impl.BlockManager, attention_ops=impl.attention_ops)
+                     num_blocks=num_blocks, block_manager_cls=impl.BlockManager,
+                     attention_ops=impl.attention_ops)
 
 
 def run_all(engine, prompts: dict[str, list[int]] | None = None,
@@ -42,7 +42,7 @@ def greedy(max_tokens=32, **kw) -> SamplingParams:
 
 def fail_rows_seeded(engine, seed: int = 666) -> None:
     """Fault injection: sampling any row whose request has this seed raises."""
-    sampler = engine.runner.sampler
+    sampler = engine.worker.model_runner.sampler
     original = sampler._sample_row
 
     def faulty(row, state):

@@ -117,7 +117,7 @@ def test_forward_matches_hf_on_the_embedded_model(embedded, impl):
 
 @pytest.fixture(scope="module")
 def ch03_engine(embedded, impl):
-    return make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1, impl=impl)
+    return make_engine(embedded, policy="static", block_size=None, max_num_seqs=1, impl=impl)
 
 
 @pytest.mark.ex03
@@ -139,7 +139,7 @@ def test_decode_with_cache_equals_recompute_without_cache(embedded, ch03_engine)
 
 @pytest.mark.ex04
 def test_region_reserved_released_on_finish_and_abort_and_requests_queue(embedded, impl):
-    engine = make_engine(embedded, policy="static", contiguous=True, num_blocks=1,
+    engine = make_engine(embedded, policy="static", block_size=None, num_blocks=1,
                          max_model_len=512, max_num_seqs=4, impl=impl)
     bm = engine.block_manager
     assert engine.block_size == 512
@@ -151,8 +151,8 @@ def test_region_reserved_released_on_finish_and_abort_and_requests_queue(embedde
     assert [s.request_id for s in engine.scheduler.running] == ["a"]
     assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
     usage = engine.kv_usage()
-    assert usage["reserved_slots"] == 512 and usage["used_slots"] == len(ids)
-    assert usage["waste_perc"] == pytest.approx(100 * (512 - len(ids)) / 512)
+    assert usage.reserved_slots == 512 and usage.used_slots == len(ids)
+    assert usage.waste_perc == pytest.approx(100 * (512 - len(ids)) / 512)
     engine.abort("a")
     assert bm.num_free_blocks == 1
     done = run_all(engine)
@@ -287,7 +287,7 @@ def test_ch03_answers_from_the_engine_text_stop_strings_cut(ch03_server):
 def test_the_engine_logs_its_line_when_it_goes_idle(embedded, caplog):
     """The periodic line is also written when the last request finishes, so
     a burst shorter than the interval still gets one (on any machine)."""
-    engine = make_engine(embedded, policy="static", contiguous=True, max_num_seqs=1,
+    engine = make_engine(embedded, policy="static", block_size=None, max_num_seqs=1,
                          max_model_len=512, num_blocks=1)
     engine.log_interval_s = 1e9  # never on time: only the idle line
     with caplog.at_level("INFO", logger="llm-course"):

@@ -116,7 +116,7 @@ def test_paged_equals_contiguous_and_hf(embedded, prompts, impl):
     """Blocks of 16 and one region of 1024 give HF's greedy tokens."""
     paged = run_all(make_engine(embedded, policy="static", block_size=16, impl=impl),
                     prompts, greedy(32))
-    contiguous = run_all(make_engine(embedded, policy="static", contiguous=True,
+    contiguous = run_all(make_engine(embedded, policy="static", block_size=None,
                                      max_model_len=1024, impl=impl), prompts, greedy(32))
     for request_id, ids in prompts.items():
         assert paged[request_id].token_ids == contiguous[request_id].token_ids

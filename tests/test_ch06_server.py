@@ -655,7 +655,7 @@ def test_a_burst_on_an_idle_server_is_not_refused(local):
 
 
 def test_internal_error_gives_500_and_the_engine_keeps_serving(local):
-    runner = local.engine.engine.runner
+    runner = local.engine.engine.worker.model_runner
     original = runner.run
 
     def broken(batch):
@@ -716,7 +716,7 @@ def test_one_sequence_failing_fails_only_its_own_request(local):
 
 
 def test_error_after_the_stream_started_is_an_sse_error_event(local):
-    runner = local.engine.engine.runner
+    runner = local.engine.engine.worker.model_runner
     original, calls = runner.run, []
 
     def fails_on_third_step(batch):

@@ -46,7 +46,7 @@ def test_graphed_decode_equals_eager_on_cuda():
     eager = run_all(make_engine(loaded, num_blocks=64, enforce_eager=True), prompts,
                     greedy(24, ignore_eos=True))
     graphed_engine = make_engine(loaded, num_blocks=64)
-    assert graphed_engine.runner.graphs is not None
+    assert graphed_engine.worker.model_runner.graphs is not None
     graphed = run_all(graphed_engine, prompts, greedy(24, ignore_eos=True))
     assert {k: v.token_ids for k, v in graphed.items()} == {
         k: v.token_ids for k, v in eager.items()}

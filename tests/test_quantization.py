@@ -79,7 +79,7 @@ def test_int4_refuses_a_width_that_groups_cannot_cut():
 
 
 # ------------------------------------------------- one interface, three ops
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
+@pytest.mark.parametrize("scheme", list(quant.QuantScheme), ids=str)
 @pytest.mark.parametrize("num_rows", [1, 7, 40])
 def test_cpu_packed_kernels_match_the_reference(scheme, num_rows):
     linear = random_linear(96, 128)
@@ -91,7 +91,7 @@ def test_cpu_packed_kernels_match_the_reference(scheme, num_rows):
     torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
+@pytest.mark.parametrize("scheme", list(quant.QuantScheme), ids=str)
 @pytest.mark.parametrize("shape", [(1, 64, 96), (5, 96, 64), (17, 128, 160)],
                          ids=["decode-1", "rows-5", "rows-17-ragged-n"])
 def test_triton_kernels_match_the_reference(scheme, shape):
@@ -142,11 +142,12 @@ def test_int8_engine_answers_and_the_card_holds_more_blocks(embedded, fresh_embe
     float_blocks, _ = num_blocks_for_card(float_card, embedded.model, 16, 512)
 
     engine = engine_for(fresh_embedded(), "int8", device_memory_gb=1.1)
-    assert engine.weight_bytes == weight_bytes(engine.loaded.model) < float_bytes / 2
-    assert engine.card.allocated_bytes() >= engine.weight_bytes
+    worker = engine.worker
+    assert worker.weight_bytes == weight_bytes(engine.loaded.model) < float_bytes / 2
+    assert worker.card.allocated_bytes() >= worker.weight_bytes
     assert engine.block_manager.num_blocks > float_blocks
     per_block = KVCache.bytes_per_block(embedded.model.config, 16, torch.float32)
-    extra = (float_bytes - engine.weight_bytes) // per_block
+    extra = (float_bytes - worker.weight_bytes) // per_block
     assert engine.block_manager.num_blocks - float_blocks == pytest.approx(extra, abs=1)
 
     prompt = apply_chat_template(embedded.tokenizer, PROMPTS[0])

@@ -65,12 +65,13 @@ def test_tp3_embedded_gives_the_tokens_of_tp1_and_hf(embedded, prompts):
     """Each rank runs 3 query heads and 1 KV head; 61 all-reduces a step."""
     engine = tp_engine("smollm2", 3, num_blocks=64)
     try:
-        assert (engine.runner.model.num_heads, engine.runner.model.num_kv_heads) == (3, 1)
-        assert engine.kv_cache.kv_caches[0][0].shape == (64, 16, 1, 64)
+        model = engine.worker.model_runner.model
+        assert (model.num_heads, model.num_kv_heads) == (3, 1)
+        assert engine.worker.kv_cache.kv_caches[0][0].shape == (64, 16, 1, 64)
         three = run_all(engine, {str(i): p for i, p in enumerate(prompts)}, greedy(16))
         one = run_all(make_engine(embedded, num_blocks=64),
                       {str(i): p for i, p in enumerate(prompts)}, greedy(16))
-        comm, stats = engine.tp.stats, engine.stats
+        comm, stats = engine.worker.tp.stats, engine.stats
     finally:
         engine.close()
     for i, prompt in enumerate(prompts):
@@ -132,9 +133,9 @@ def test_n_cards_hold_more_than_n_times_the_blocks(tiny_llama, tiny_tp2):
     """The same card per rank; each rank stores half the KV heads and half
     the weights, so two cards hold more than twice the blocks of one."""
     one = make_engine(tiny_llama, device_memory_gb=0.05, max_num_batched_tokens=64)
-    assert tiny_tp2.kv_cache.num_kv_heads == 1 and one.kv_cache.num_kv_heads == 2
+    assert tiny_tp2.worker.kv_cache.num_kv_heads == 1 and one.worker.kv_cache.num_kv_heads == 2
     assert tiny_tp2.block_manager.num_blocks > 2 * one.block_manager.num_blocks
-    assert tiny_tp2.weight_bytes < one.weight_bytes
+    assert tiny_tp2.worker.weight_bytes < one.worker.weight_bytes
 
 
 def test_a_dead_rank_stops_the_engine_loop_with_a_clear_error(tiny_tp2):

@@ -20,9 +20,9 @@ tests/test_ch05_scheduler.py), which builds the real engine with your
 class. The reference is common/engine/block_manager.py: peek only when
 stuck. exercises/README.md has the tasks in order and hints.
 
-Given: `Block`, the constructor's state, `_block_tokens`. Left out, as in
-the reference: swapping blocks to CPU memory, copy-on-write (beam search),
-sliding-window blocks.
+Given: `Block`, `KVCacheUsage` (what `usage` returns), the constructor's
+state, `_block_tokens`. Left out, as in the reference: swapping blocks to
+CPU memory, copy-on-write (beam search), sliding-window blocks.
 
 Which fields of a `Sequence` (common/engine/sequence.py) you write:
 `block_table`, `num_computed_tokens` (only in `allocate`, to the cached
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from common.engine.block_manager import KVCacheUsage
 from common.engine.sequence import Sequence
 
 
@@ -168,13 +169,13 @@ class BlockManager:
         raise NotImplementedError("deallocate: drop seq's references, free unused blocks")
 
     # ------------------------------------------------------- accounting
-    def usage(self, seqs: list[Sequence]) -> dict:
+    def usage(self, seqs: list[Sequence]) -> KVCacheUsage:
         """KV slots reserved (blocks in use x block size) against slots that
         hold a computed token, for the running sequences `seqs`. A block
         shared by several sequences is counted once, in both figures.
 
-        Returns {"num_blocks", "used_blocks", "reserved_slots",
-        "used_slots", "usage_perc", "waste_perc"} (percentages 0-100;
+        Returns a `KVCacheUsage(num_blocks, used_blocks, reserved_slots,
+        used_slots, usage_perc, waste_perc)` (percentages 0-100;
         waste_perc = 100 x (reserved - used) / reserved, 0 when nothing
         is reserved). The engine calls it after every step for /stats.
         """

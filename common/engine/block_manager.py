@@ -33,6 +33,17 @@ def compute_block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int
     return hash((prev_hash, token_ids))
 
 
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """The cache's figures after a step (`usage()`), for /stats and the log."""
+    num_blocks: int
+    used_blocks: int
+    reserved_slots: int  # blocks in use x block size
+    used_slots: int  # slots that hold a computed token (a shared block counted once)
+    usage_perc: float  # 100 x used blocks / blocks
+    waste_perc: float  # 100 x (reserved - used) / reserved; 0 when nothing is reserved
+
+
 @dataclass
 class Block:
     block_id: int
@@ -182,7 +193,7 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     # ------------------------------------------------------- accounting
-    def usage(self, seqs: list[Sequence]) -> dict:
+    def usage(self, seqs: list[Sequence]) -> KVCacheUsage:
         """Slots reserved (blocks in use x block size) vs slots holding a
         computed token, counting a shared block once. O(number of seqs):
         a shared block is a full cached block, counted once per reader in
@@ -190,7 +201,8 @@ class BlockManager:
         reserved = self.num_used_blocks * self.block_size
         used = (sum(seq.num_computed_tokens for seq in seqs)
                 - self.num_shared_refs * self.block_size)
-        return {"num_blocks": self.num_blocks, "used_blocks": self.num_used_blocks,
-                "reserved_slots": reserved, "used_slots": used,
-                "usage_perc": 100.0 * self.num_used_blocks / self.num_blocks,
-                "waste_perc": 100.0 * (reserved - used) / reserved if reserved else 0.0}
+        return KVCacheUsage(
+            num_blocks=self.num_blocks, used_blocks=self.num_used_blocks,
+            reserved_slots=reserved, used_slots=used,
+            usage_perc=100.0 * self.num_used_blocks / self.num_blocks,
+            waste_perc=100.0 * (reserved - used) / reserved if reserved else 0.0)

@@ -3,7 +3,7 @@
 `LLMEngine.step()` is one iteration, as in nano-vllm:
 
     batch   = scheduler.schedule()                  # who runs, how many tokens each
-    sampled = runner.run(batch)                     # one forward pass, one sampler call
+    sampled = model_runner.run(batch)               # one forward pass, one sampler call
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
     outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
     for logger in stat_loggers: logger.record(iteration_stats)   # ch06: the step's times
@@ -14,15 +14,18 @@ offline `LLM`) validate each one once with `check_request` before
 output finishes that request with an error; the others go on.
 
 The components a chapter switches on are arguments: the scheduler's type
-(`StaticScheduler` ch03-04, `ContinuousScheduler` ch05) and the block size
-(ch03: one block of `max_model_len` slots per sequence, a contiguous
-region; ch04: small blocks).
+(`StaticScheduler` ch03-04, `ContinuousScheduler` ch05), and a type in the
+config: `block_size=None` is chapter 03's one block of `max_model_len`
+slots per sequence (a contiguous region), an int chapter 04's small blocks.
 
-ch06, `--tensor-parallel-size N`: this process is rank 0 (scheduler,
-sampler and output processing run here, once); ranks 1..N-1 run in worker
-processes that it starts (common/engine/tp_workers.py) and stops in
-`close()`. The scheduler sees one cache of `num_blocks` blocks; each rank
-holds its KV heads' part of every block.
+The model's side (device, weights, card, KV cache, `ModelRunner`) is this
+rank's `Worker` (common/engine/worker.py), built by the same
+`build_worker` as every other rank. ch06, `--tensor-parallel-size N`: this
+process is rank 0 (scheduler, sampler and output processing run here,
+once); ranks 1..N-1 run in worker processes that it starts
+(common/engine/tp_workers.py) and stops in `close()`. The scheduler sees
+one cache of `num_blocks` blocks; each rank holds its KV heads' part of
+every block.
 
 ch06, latencies: every new token is timed here, once per step, whatever
 the request's output kind (`IterationStats`, common/engine/stats.py: time
@@ -40,39 +43,28 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 
 from common.autoregressive import eos_token_ids
 from common.config import EngineConfig
-from common.engine.block_manager import BlockManager
-from common.engine.kv_cache import KVCache, num_blocks_for_card
-from common.engine.model_runner import ModelRunner
+from common.engine.block_manager import BlockManager, KVCacheUsage
+from common.engine.kv_cache import KVCache
 from common.engine.output_processor import OutputProcessor, RequestOutput
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, IterationStats
-from common.engine.tp_workers import RankReport, TPWorkers, start_ranks
-from common.layers.parallel import SINGLE_RANK
-from common.layers.quantization import CpuPackedQuantOps, quantize_linears
+from common.engine.tp_workers import TPWorkers, start_ranks
+from common.engine.worker import build_worker
 from common.layers.sampler import RequestSamplingState, SampledToken
 from common.loader import LoadedModel, load_model
-from common.memory import Card, format_bytes
-from common.models import check_tensor_parallel, quantizable_linears
+from common.models import check_tensor_parallel
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (chapter 06 fills the context)
-
-
-def quant_ops_for(device: torch.device):
-    """How `--quantization` multiplies (ch06): the Triton kernels on CUDA,
-    PyTorch's packed kernels on the CPU."""
-    if device.type == "cuda":
-        from common.layers.quant_kernels import TritonQuantOps  # Triton: CUDA only
-        return TritonQuantOps
-    return CpuPackedQuantOps
 
 
 class ContextLengthError(ValueError):
@@ -107,66 +99,37 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05: the default
                  loaded: LoadedModel | None = None, num_blocks: int | None = None,
-                 block_size_is_max_model_len: bool = False,
                  log_interval_s: float = LOG_INTERVAL_S,
                  block_manager_cls: type[BlockManager] = BlockManager, attention_ops=None,
                  quant_ops=None):
         """`num_blocks`: a fixed cache size (tests) instead of sizing from the card.
         `block_manager_cls`, `attention_ops`: the components, replaceable (the
         exercises put the learner's in). `quant_ops`: how `--quantization`
-        multiplies (default: `quant_ops_for` the device). With
+        multiplies (default: `worker.quant_ops_for` the device). With
         `--quantization`, the model (`loaded`, if given) is quantized in place."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
-        tp_size = config.tensor_parallel_size
-        check_tensor_parallel(self.loaded.model.config, tp_size, config.quantization)  # ch06
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = min(len(self.tokenizer), self.loaded.model.config.vocab_size)
-        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len,
-                                 self.loaded.max_model_len)
+        self.max_model_len = config.context_length(self.loaded.max_model_len)
         # ch03: one block of max_model_len slots per sequence = a contiguous region.
-        self.block_size = self.max_model_len if block_size_is_max_model_len else config.block_size
-        self.card = Card(self.loaded.device, config.device_memory_gb,
-                         config.gpu_memory_utilization)
-        if config.quantization:  # ch06: weight-only int8/int4, swapped in place
-            model = self.loaded.model
-            quantize_linears(model, quantizable_linears(model, config.quantization),
-                             config.quantization, quant_ops or quant_ops_for(self.loaded.device))
+        self.block_size = config.block_size or self.max_model_len
+        check_tensor_parallel(self.loaded.model.config, config.tensor_parallel_size,
+                              config.quantization)  # ch06
         self.workers: TPWorkers | None = None
-        self.tp = SINGLE_RANK
-        if tp_size > 1:  # ch06: start ranks 1..N-1; rank 0 keeps its shard of `loaded`
-            self.workers, self.tp = start_ranks(config, self.loaded, self.block_size, num_blocks)
-        self.weight_bytes = self.card.charge_weights(self.loaded.model)
-        log.info("weights: %s (%s)", format_bytes(self.weight_bytes),
-                 config.quantization or str(self.loaded.dtype).removeprefix("torch."))
-        room = num_blocks
-        if num_blocks is None:
-            room, line = num_blocks_for_card(self.card, self.loaded.model, self.block_size,
-                                             config.max_num_batched_tokens, tp_size)
-            log.info(line)
-            num_blocks = room
-            if self.workers is not None:  # ch06: the same blocks on every card
-                num_blocks = self.workers.min_num_blocks(self.tp, room)
-        self.kv_cache = KVCache(self.card, self.loaded.model.config, num_blocks,
-                                self.block_size, self.loaded.dtype, tp_size)
-        if self.workers is not None:  # ch06: per rank weights and blocks, and the total
-            block_bytes = KVCache.bytes_per_block(self.loaded.model.config, self.block_size,
-                                                  self.loaded.dtype, tp_size)
-            log.info(self.workers.wait_ready(
-                RankReport(0, self.weight_bytes, room, num_blocks, block_bytes), self.block_size))
-        self.block_manager = block_manager_cls(num_blocks, self.block_size,
+        if config.tensor_parallel_size > 1:  # ch06: ranks 1..N-1, a process each
+            self.workers = start_ranks(config, self.block_size, num_blocks)
+        build = partial(build_worker, config, 0, self.block_size, num_blocks, loaded=self.loaded,
+                        attention_ops=attention_ops, quant_ops=quant_ops)
+        self.worker = self.workers.build_rank0(build) if self.workers else build()  # rank 0
+        self.block_manager = block_manager_cls(self.worker.kv_cache.num_blocks, self.block_size,
                                                config.enable_prefix_caching)  # ch04: blocks
         self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
                                        config.max_num_batched_tokens, self.eos_token_ids,
                                        self.max_model_len,
                                        long_prefill_token_threshold=config.prefill_cap)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache,
-                                  attention_ops, self.tp, self.workers)
-        if self.loaded.device.type == "cuda" and not config.enforce_eager \
-                and attention_ops is None and tp_size == 1:  # graphs need the Triton kernels
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)  # ch05
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self.stats = EngineStats()
@@ -239,7 +202,7 @@ class LLMEngine:
         if not batch:
             return []
         prompt_tokens = self._count_scheduled(batch)
-        sampled = self.runner.run(batch)
+        sampled = self.worker.model_runner.run(batch)
         updated = self.scheduler.update_from_output(batch, sampled)
         iteration_stats = IterationStats(time.monotonic())  # ch06: every new token's time
         iteration_stats.num_prompt_tokens = prompt_tokens
@@ -292,17 +255,17 @@ class LLMEngine:
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
-    def kv_usage(self) -> dict:
+    def kv_usage(self) -> KVCacheUsage:
         return self.block_manager.usage(self.scheduler.running)
 
     def _update_stats(self) -> None:
         usage = self.kv_usage()
         s = self.stats
         s.peak_running = max(s.peak_running, len(self.scheduler.running))
-        s.peak_reserved_slots = max(s.peak_reserved_slots, usage["reserved_slots"])
-        s.peak_used_slots = max(s.peak_used_slots, usage["used_slots"])
-        s.sum_reserved_slots += usage["reserved_slots"]
-        s.sum_used_slots += usage["used_slots"]
+        s.peak_reserved_slots = max(s.peak_reserved_slots, usage.reserved_slots)
+        s.peak_used_slots = max(s.peak_used_slots, usage.used_slots)
+        s.sum_reserved_slots += usage.reserved_slots
+        s.sum_used_slots += usage.used_slots
 
     def avg_kv_waste_perc(self) -> float:
         """KV waste averaged over the steps run so far."""
@@ -324,9 +287,9 @@ class LLMEngine:
         return {
             "block_size": self.block_size, "num_blocks": bm.num_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": usage["usage_perc"],
-            "kv_reserved_slots": usage["reserved_slots"], "kv_used_slots": usage["used_slots"],
-            "kv_waste_perc": usage["waste_perc"],
+            "kv_cache_usage_perc": usage.usage_perc,
+            "kv_reserved_slots": usage.reserved_slots, "kv_used_slots": usage.used_slots,
+            "kv_waste_perc": usage.waste_perc,
             "peak_running": s.peak_running,
             "peak_kv_reserved_bytes": s.peak_reserved_slots * bytes_per_slot,
             "peak_kv_used_bytes": s.peak_used_slots * bytes_per_slot,
@@ -339,7 +302,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "iteration_tokens": s.iteration_tokens.as_dict(),
             "finished": dict(s.finished),
-            "card": self.card.describe(),
+            "card": self.worker.card.describe(),
         }
 
     def _maybe_log(self, idle: bool) -> None:
@@ -358,6 +321,6 @@ class LLMEngine:
                  (self.stats.prompt_tokens - last_prompt) / elapsed,
                  (self.stats.generation_tokens - last_gen) / elapsed,
                  len(self.scheduler.running), len(self.scheduler.waiting),
-                 usage["usage_perc"], usage["waste_perc"], self.avg_kv_waste_perc(),
+                 usage.usage_perc, usage.waste_perc, self.avg_kv_waste_perc(),
                  self.scheduler.num_preemptions)
         self._last_log = (now, self.stats.prompt_tokens, self.stats.generation_tokens)

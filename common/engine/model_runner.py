@@ -11,8 +11,8 @@ CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 
 ch06, tensor parallelism: the step's inputs are first built as plain lists
 (`StepInputs`), which rank 0 sends to the other ranks
-(common/engine/tp_workers.py); every rank then runs `execute_model` on
-them, and only rank 0 gets logits and samples.
+(common/engine/tp_workers.py); every rank's `Worker` (worker.py) then runs
+`execute_model` on them, and only rank 0 gets logits and samples.
 
 Left out: async scheduling (preparing step n+1 while step n runs), graphs
 of prefill steps, CUDA graphs together with tensor parallelism.

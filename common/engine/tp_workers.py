@@ -1,18 +1,21 @@
-"""The ranks of tensor parallelism: one process each (ch06).
+"""The ranks of tensor parallelism: the processes and the pipes (ch06).
 
 Rank 0 is the engine's own process: it schedules, samples and processes
 outputs, once. Ranks 1..N-1 are worker processes (torch.multiprocessing,
-spawn) started by `start_ranks`. Each worker
+spawn) started by `start_ranks`. Every rank, rank 0 included, is built by
+the same `build_worker` (common/engine/worker.py): it joins the process
+group (gloo on the CPU, NCCL on CUDA; the rendezvous is a free TCP port on
+localhost), loads the model and keeps its shard (common/layers/parallel.py),
+books it on a card of its own (the same `--device-memory-gb`), agrees with
+the others on the number of KV blocks (the smallest) and allocates its KV
+heads' share of the cache. This module is the transport around it:
 
-1. joins the process group (gloo on the CPU, NCCL on CUDA; the rendezvous
-   is a free TCP port on localhost),
-2. loads the model itself and keeps its shard (common/layers/parallel.py),
-3. books its shard on a card of its own (the same `--device-memory-gb`),
-   agrees with the others on the number of KV blocks (the smallest), and
-   allocates its KV heads' share of the cache,
-4. loops: receive the step's `StepInputs` from rank 0, run the forward pass
-   (taking part in its all-reduces) and the LM head (its slice of the
-   logits goes to rank 0), until rank 0 says "stop".
+1. `start_ranks` spawns ranks 1..N-1 (`worker.worker_main`);
+2. `TPWorkers.build_rank0` builds rank 0 beside them, then waits for every
+   rank's `RankReport` and logs the startup line (`describe_ranks`);
+3. `TPWorkers.execute` sends each step's `StepInputs` to the workers, which
+   run the forward pass (taking part in its all-reduces) and the LM head
+   (their slices of the logits go to rank 0), until `shutdown` says "stop".
 
 The step's inputs travel over a pipe per worker, as plain lists: like
 vLLM's message queue, not a collective, so that a worker can wait for the
@@ -24,35 +27,25 @@ step for good, so it is fatal: `RankDiedError`, which stops the engine
 loop (the server answers 503 `engine_dead` and exits 1).
 
 Left out: restarting a rank, several nodes, overlapping the broadcast
-with the previous step, a rank per GPU chosen by the user (rank r takes
-cuda:r).
+with the previous step.
 """
 from __future__ import annotations
 
 import atexit
-import os
-import sys
+import logging
 import time
-import traceback
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
 
 from common.config import ConfigError, EngineConfig
-from common.engine.kv_cache import KVCache, num_blocks_for_card
-from common.engine.model_runner import ModelRunner, StepInputs
-from common.layers.parallel import (
-    TPGroup,
-    destroy_tensor_parallel,
-    free_port,
-    init_tensor_parallel,
-)
-from common.loader import LoadedModel, load_model, pick_device
-from common.memory import Card, format_bytes
-from common.models import shard_for_rank
+from common.engine.model_runner import StepInputs
+from common.engine.worker import STOP, RankReport, Worker, WorkerFailed, rank_device, worker_main
+from common.layers.parallel import destroy_tensor_parallel, free_port
+from common.memory import format_bytes
 
-STOP = "stop"
+log = logging.getLogger("llm-course")
 READY_TIMEOUT_S = 600.0  # loading the model on every rank (a hang guard)
 
 
@@ -61,98 +54,14 @@ class RankDiedError(RuntimeError):
     failed: the ranks are out of step and the engine cannot go on."""
 
 
-@dataclass
-class RankReport:
-    """What a rank tells rank 0 once its cache is allocated."""
-    rank: int
-    weight_bytes: int
-    room_blocks: int  # blocks its own card could hold
-    num_blocks: int  # blocks it allocated (the same on every rank)
-    block_bytes: int  # bytes of one block on this rank
-
-
-@dataclass
-class WorkerFailed:
-    """Sent by a worker before it exits on an error."""
-    rank: int
-    error: str
-
-
-def rank_device(device: str | torch.device, rank: int) -> torch.device:
-    """Rank r's card: cuda:r, or the CPU (a simulated card per rank)."""
-    device = pick_device(str(device)) if isinstance(device, str) else device
-    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
-
-
-def threads_per_rank(world_size: int) -> int:
-    """On the CPU the ranks share the cores: each gets its part."""
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
-# ------------------------------------------------------------ the workers
-def build_rank(config: EngineConfig, loaded: LoadedModel, tp: TPGroup, block_size: int,
-               num_blocks: int | None) -> tuple[Card, KVCache, RankReport]:
-    """A worker's share: its card, its weights, its part of every KV block."""
-    card = Card(loaded.device, config.device_memory_gb, config.gpu_memory_utilization)
-    weight_bytes = card.charge_weights(loaded.model)
-    room = num_blocks
-    if num_blocks is None:
-        room, _ = num_blocks_for_card(card, loaded.model, block_size,
-                                      config.max_num_batched_tokens, tp.world_size)
-        num_blocks = tp.min_over_ranks(room)  # the same blocks on every card
-    kv_cache = KVCache(card, loaded.model.config, num_blocks, block_size, loaded.dtype,
-                       tp.world_size)
-    block_bytes = KVCache.bytes_per_block(loaded.model.config, block_size, loaded.dtype,
-                                          tp.world_size)
-    return card, kv_cache, RankReport(tp.rank, weight_bytes, room, num_blocks, block_bytes)
-
-
-def worker_main(config: EngineConfig, rank: int, port: int, block_size: int,
-                num_blocks: int | None, conn) -> None:
-    """The body of worker process `rank` (1..N-1)."""
-    world_size = config.tensor_parallel_size
-    try:
-        device = rank_device(config.device, rank)
-        if device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(world_size))
-        tp = init_tensor_parallel(rank, world_size, port, device)
-        loaded = load_model(config.model, config.dtype, str(device), config.load_format,
-                            config.seed)
-        shard_for_rank(loaded.model, rank, world_size)  # keep this rank's share
-        _card, kv_cache, report = build_rank(config, loaded, tp, block_size, num_blocks)
-        runner = ModelRunner(loaded.model, kv_cache, tp=tp)
-        conn.send(report)
-        serve_steps(conn, runner)
-    except Exception as exc:  # noqa: BLE001 - tell rank 0, then exit non-zero
-        traceback.print_exc()
-        try:
-            conn.send(WorkerFailed(rank, f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        sys.exit(1)
-    finally:
-        destroy_tensor_parallel()
-
-
-def serve_steps(conn, runner: ModelRunner) -> None:
-    """Run every step rank 0 sends, until "stop" (or rank 0 is gone)."""
-    while True:
-        try:
-            step = conn.recv()
-        except EOFError:  # rank 0's end of the pipe closed: it is gone
-            return
-        if step == STOP:
-            return
-        runner.execute_model(step)  # all-reduces inside; the logits go to rank 0
-
-
 # ------------------------------------------------------- rank 0's side
 class TPWorkers:
     """Rank 0's handle on ranks 1..N-1: send each step, watch them, stop them."""
 
-    def __init__(self, processes: list, conns: list):
+    def __init__(self, processes: list, conns: list, port: int):
         self.processes = processes  # processes[i] is rank i + 1
         self.conns = conns
+        self.port = port  # the ranks' rendezvous, for rank 0 to join
         self.closed = False
         self.errors: list[str] = []  # what workers reported before dying
         self.reports: list[RankReport] = []  # every rank's share, once all are ready
@@ -177,11 +86,19 @@ class TPWorkers:
         if dead:
             raise RankDiedError(self._describe(dead))
 
-    def min_num_blocks(self, tp: TPGroup, room: int) -> int:
-        """The number of KV blocks every card can hold: the smallest room."""
+    def build_rank0(self, build: Callable[..., Worker]) -> Worker:
+        """Build rank 0 (`build(port=, workers=)`, common/engine/worker.py)
+        beside the workers, wait for every rank's report and log the startup
+        line. A failure stops every rank; a worker that died (or a collective
+        that failed) while starting is a RankDiedError."""
         try:
-            return tp.min_over_ranks(room)
-        except Exception as exc:  # noqa: BLE001 - a worker failed while loading
+            worker = build(port=self.port, workers=self)
+            log.info(self.wait_ready(worker.report, worker.kv_cache.block_size))
+            return worker
+        except (RankDiedError, ConfigError, torch.OutOfMemoryError):  # said clearly already
+            self.shutdown()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a worker that died while starting
             error = self.failure(exc)
             self.shutdown()
             raise error from exc
@@ -189,11 +106,7 @@ class TPWorkers:
     def wait_ready(self, rank0: RankReport, block_size: int) -> str:
         """Wait for every worker's report (its cache is allocated); returns
         the startup line."""
-        try:
-            self.reports = [rank0] + [self._receive_report(conn) for conn in self.conns]
-        except RankDiedError:
-            self.shutdown()
-            raise
+        self.reports = [rank0] + [self._receive_report(conn) for conn in self.conns]
         return describe_ranks(self.reports, block_size)
 
     def _receive_report(self, conn) -> RankReport:
@@ -263,13 +176,11 @@ class TPWorkers:
         torch.set_num_threads(self._threads)
 
 
-def start_ranks(config: EngineConfig, loaded: LoadedModel, block_size: int,
-                num_blocks: int | None) -> tuple[TPWorkers, TPGroup]:
-    """Spawn ranks 1..N-1, join them as rank 0 and keep rank 0's shard of
-    `loaded` (in place). The workers load `config.model` themselves."""
+def start_ranks(config: EngineConfig, block_size: int, num_blocks: int | None) -> TPWorkers:
+    """Spawn ranks 1..N-1; each loads `config.model` itself and waits for
+    rank 0 to join (`TPWorkers.build_rank0`)."""
     world_size = config.tensor_parallel_size
-    device = rank_device(loaded.device, 0)
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+    if rank_device(config.device, 0).type == "cuda" and torch.cuda.device_count() < world_size:
         raise ConfigError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, "
                           f"{torch.cuda.device_count()} found.")
     if torch.distributed.is_initialized():
@@ -285,17 +196,7 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel, block_size: int,
         theirs.close()  # the worker holds its end; ours sees EOF if it dies
         processes.append(process)
         conns.append(ours)
-    workers = TPWorkers(processes, conns)
-    try:
-        if device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(world_size))
-        tp = init_tensor_parallel(0, world_size, port, device)
-        shard_for_rank(loaded.model, 0, world_size)
-    except Exception as exc:  # noqa: BLE001 - a worker that died while joining
-        error = workers.failure(exc)
-        workers.shutdown()
-        raise error from exc
-    return workers, tp
+    return TPWorkers(processes, conns, port)
 
 
 def describe_ranks(reports: list[RankReport], block_size: int) -> str:

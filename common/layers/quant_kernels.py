@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.layers.quantization import GROUP_SIZE, ReferenceQuantOps
+from common.layers.quantization import GROUP_SIZE, QuantScheme, ReferenceQuantOps
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # BLOCK_K: input channels per step
 
@@ -124,7 +124,7 @@ class TritonQuantOps:
 
     @staticmethod
     def linear(x: torch.Tensor, layer) -> torch.Tensor:
-        if layer.scheme == "int8":
+        if layer.scheme is QuantScheme.INT8:
             out = int8_linear(x, layer.qweight, layer.scales)
         else:
             out = int4_linear(x, layer.qweight, layer.scales, layer.mins)

@@ -5,9 +5,9 @@ its speed on a GPU is set by the bytes of the weights, and the bytes the
 weights take on the card are bytes the KV cache cannot have. Quantization
 stores each weight as a small integer and a few float scales:
 
-- `int8`: symmetric, one scale per output channel (row `n` of the weight):
+- `int8` (`QuantScheme.INT8`): symmetric, one scale per output channel (row `n` of the weight):
   `w[n, k] ~= q[n, k] * scale[n]`, q in [-127, 127]. 1 byte per weight.
-- `int4`: asymmetric, one scale and one offset per *group* of 32 input
+- `int4` (`QuantScheme.INT4`): asymmetric, one scale and one offset per *group* of 32 input
   channels: `w[n, k] ~= q[n, k] * scale[n, g] + min[n, g]`, g = k // 32, q in
   [0, 15], two values per byte, float16 scale and offset. 5 bits per weight.
   These are the group-wise scales and offsets of AWQ and GPTQ checkpoints,
@@ -29,7 +29,9 @@ implementations, one interface (`QuantOps.quantize` stores a weight,
 3. `common.layers.quant_kernels`: Triton kernels for CUDA that dequantize
    tiles of the weight in registers (tested on the CPU under the interpreter).
 
-`quantize_linears` swaps the linear layers it is given (the model says
+The scheme is a `QuantScheme` (a `StrEnum`: `QuantScheme("int8")` turns the
+flag into it once, and it prints as the flag). `quantize_linears` swaps the
+linear layers it is given (the model says
 which: `quantizable_linears` in common/models/, the q/k/v/o and
 gate/up/down projections of each decoder layer) for `QuantLinear` modules,
 in place. The card then books the weights at their real size
@@ -42,12 +44,19 @@ are tied in SmolLM2 and stay float), a quantized KV cache.
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZE = 32  # input channels per int4 group (GGUF Q4_1's block)
-SCHEMES = ("int8", "int4")
+
+
+class QuantScheme(enum.StrEnum):
+    """`--quantization`: how a weight is stored (see above)."""
+    INT8 = "int8"  # per output channel, 1 byte a weight
+    INT4 = "int4"  # groups of 32 with a scale and an offset, 5 bits a weight
 
 
 # ---------------------------------------------------------------- rounding
@@ -109,9 +118,9 @@ class ReferenceQuantOps:
     name = "reference (dequantize + F.linear)"
 
     @staticmethod
-    def quantize(weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
+    def quantize(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
         """The tensors a QuantLinear keeps for `weight` (N, K)."""
-        if scheme == "int8":
+        if scheme is QuantScheme.INT8:
             qweight, scales = quantize_int8(weight)
             return {"qweight": qweight, "scales": scales}
         q, scales, mins = quantize_int4(weight)
@@ -120,7 +129,7 @@ class ReferenceQuantOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         """x: (M, K) -> (M, N)."""
-        if layer.scheme == "int8":
+        if layer.scheme is QuantScheme.INT8:
             w = dequantize_int8(layer.qweight, layer.scales)
         else:
             w = dequantize_int4(layer.qweight, layer.scales, layer.mins)
@@ -132,8 +141,8 @@ class CpuPackedQuantOps:
     name = "cpu packed (torch int8/int4 kernels, bfloat16 activations)"
 
     @staticmethod
-    def quantize(weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
-        if scheme == "int8":
+    def quantize(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
+        if scheme is QuantScheme.INT8:
             qweight, scales = quantize_int8(weight)
             return {"qweight": qweight, "scales": scales.bfloat16()}
         q, scales, mins = quantize_int4(weight)
@@ -148,7 +157,7 @@ class CpuPackedQuantOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        if layer.scheme == "int8":
+        if layer.scheme is QuantScheme.INT8:
             out = torch._weight_int8pack_mm(xb, layer.qweight, layer.scales)
         else:
             out = torch._weight_int4pack_mm_for_cpu(xb, layer.qweight, GROUP_SIZE,
@@ -161,14 +170,17 @@ class CpuPackedQuantOps:
 class QuantLinear(nn.Module):
     """A drop-in for nn.Linear whose weight is stored quantized (buffers)."""
 
-    def __init__(self, linear: nn.Linear, scheme: str, ops):
+    def __init__(self, linear: nn.Linear, scheme: QuantScheme | str, ops):
         super().__init__()
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown quantization {scheme!r}: choose from {SCHEMES}")
-        self.scheme, self.ops = scheme, ops
+        try:
+            self.scheme = QuantScheme(scheme)  # "int8" too (bench/gpu_kernels_check.py)
+        except ValueError:
+            raise ValueError(f"unknown quantization {scheme!r}: choose from "
+                             f"{tuple(map(str, QuantScheme))}") from None
+        self.ops = ops
         self.out_features, self.in_features = linear.weight.shape
         with torch.no_grad():
-            for name, tensor in ops.quantize(linear.weight.data, scheme).items():
+            for name, tensor in ops.quantize(linear.weight.data, self.scheme).items():
                 self.register_buffer(name, tensor.to(linear.weight.device))
         self.bias = linear.bias  # Qwen2's q/k/v biases stay float
 
@@ -181,7 +193,7 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.scheme}, {self.ops.name}"
 
 
-def quantize_linears(model: nn.Module, paths: list[str], scheme: str, ops) -> int:
+def quantize_linears(model: nn.Module, paths: list[str], scheme: QuantScheme, ops) -> int:
     """Swap each linear layer at `paths` (as `model.get_submodule` reads
     them) for a QuantLinear, in place. Returns the number swapped."""
     for path in paths:

@@ -16,7 +16,7 @@ updated by one token per step: so a request with a 49,152-entry
 `stop_token_ids` costs the other requests' steps no more than a plain one.
 
 Left out: beam search, best_of, guided decoding; rows are sampled one by
-one (vLLM samples the whole batch with tensors on the GPU).
+one, on the CPU (vLLM samples the whole batch with tensors on the GPU).
 """
 from __future__ import annotations
 
@@ -143,6 +143,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[RequestSamplingState]
                  ) -> list[SampledToken | SamplingFailed]:
         """logits: (num_seqs, vocab); `states[i]`: row i's request."""
+        # All the logits to the host, on purpose: each seeded request draws from
+        # its own CPU torch.Generator, so that a seed gives the same tokens on a
+        # GPU machine and on a CPU one, whatever else is in the batch (a CUDA
+        # generator's stream differs). It costs one copy of (num_seqs, vocab).
         logits = logits.float().cpu()
         results: list[SampledToken | SamplingFailed | None] = [None] * len(states)
         # Plain greedy rows (no penalty, bias, ban or logprobs) need only an

@@ -9,6 +9,7 @@ of its matrices are cut or quantized (`shard_for_rank`,
 from __future__ import annotations
 
 from common.config import ConfigError
+from common.layers.quantization import QuantScheme
 
 # The model types that LlamaForward runs (and that --quantization and
 # --tensor-parallel-size cover, ch06).
@@ -36,7 +37,8 @@ def build_forward(hf_model, attention_ops=None, tp=None):
         "llama, qwen2, mistral and gpt2 (chapters 01-02 run any model)")
 
 
-def check_tensor_parallel(hf_config, world_size: int, quantization: str | None = None) -> None:
+def check_tensor_parallel(hf_config, world_size: int,
+                          quantization: QuantScheme | str | None = None) -> None:
     """Refuse, at startup and with vLLM's wording, a model that cannot be
     split in `world_size` equal parts."""
     if world_size < 1:
@@ -66,7 +68,7 @@ def check_tensor_parallel(hf_config, world_size: int, quantization: str | None =
                           f"{', '.join(map(str, fits))}.")
 
 
-def check_quantization(config, scheme: str | None) -> None:
+def check_quantization(config, scheme: QuantScheme | None) -> None:
     """Refuse, with a clear message, a model the course cannot quantize."""
     if scheme is None:
         return
@@ -81,7 +83,7 @@ def shard_for_rank(hf_model, rank: int, world_size: int) -> None:
     shard_llama_for_rank(hf_model, rank, world_size)
 
 
-def quantizable_linears(hf_model, scheme: str) -> list[str]:
+def quantizable_linears(hf_model, scheme: QuantScheme) -> list[str]:
     """The paths of the linear layers `--quantization scheme` swaps (ch06)."""
     check_quantization(hf_model.config, scheme)
     from common.models.llama import quantizable_linears as llama_linears

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.autoregressive import eos_token_ids, generate_without_cache  # noqa: E402
 from common.loader import load_model  # noqa: E402
-from common.entrypoints.chat_server import (Completion, build_chat_app,  # noqa: E402
-                                            parse_server_args, serve, server_parser)
+from common.entrypoints.cli_args import parse_server_args, server_parser  # noqa: E402
+from common.entrypoints.launcher import serve  # noqa: E402
+from common.entrypoints.simple_app import Completion, build_chat_app  # noqa: E402
 from common.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 
 

@@ -24,12 +24,13 @@ from pydantic import ConfigDict, Field  # noqa: E402
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from common.autoregressive import eos_token_ids  # noqa: E402
-from common.entrypoints.chat_server import (check_context, check_model_name, log,  # noqa: E402
-                                            parse_server_args, serve, server_parser)
-from common.entrypoints.protocol import (INT64_MAX, INT64_MIN, APIError, ChatChoice,  # noqa: E402
-                                         ChatCompletionResponse, ModelCard, ModelList,
-                                         ResponseMessage, StrictModel, Text, Usage, new_app,
-                                         new_id)
+from common.entrypoints.cli_args import parse_server_args, server_parser  # noqa: E402
+from common.entrypoints.launcher import log, serve  # noqa: E402
+from common.entrypoints.middleware import APIError, new_app  # noqa: E402
+from common.entrypoints.protocol import INT64_MAX, INT64_MIN, StrictModel, Text  # noqa: E402
+from common.entrypoints.responses import (ChatChoice, ChatCompletionResponse,  # noqa: E402
+                                          ModelCard, ModelList, ResponseMessage, Usage, new_id)
+from common.entrypoints.serving_engine import check_context, check_model_name  # noqa: E402
 from common.loader import apply_chat_template, load_model  # noqa: E402
 from common.memory import (Card, activation_bytes_estimate, format_bytes,  # noqa: E402
                            static_cache_bytes)

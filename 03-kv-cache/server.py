@@ -14,10 +14,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.scheduler import StaticScheduler  # noqa: E402
-from common.entrypoints.chat_server import main  # noqa: E402
+from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main("Chapter 03: our forward pass and a contiguous KV cache",
-                  scheduler_cls=StaticScheduler,  # ch03: one batch at a time...
-                  max_num_seqs=1,  # ch03: ...of one request
-                  contiguous=True))  # ch03: block_size = max_model_len (a region per request)
+    sys.exit(run_chat_server("Chapter 03: our forward pass and a contiguous KV cache",
+                             scheduler_cls=StaticScheduler,  # ch03: one batch at a time...
+                             max_num_seqs=1,  # ch03: ...of one request
+                             block_size=None))  # ch03: a block of max_model_len slots per request

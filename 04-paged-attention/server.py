@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.scheduler import StaticScheduler  # noqa: E402
-from common.entrypoints.chat_server import main  # noqa: E402
+from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main("Chapter 04: paged attention, static batching",
-                  scheduler_cls=StaticScheduler))  # ch04: small blocks (--block-size), whole batches
+    sys.exit(run_chat_server("Chapter 04: paged attention, static batching",
+                             scheduler_cls=StaticScheduler))  # ch04: small blocks (--block-size), whole batches

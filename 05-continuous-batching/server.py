@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.scheduler import ContinuousScheduler  # noqa: E402
-from common.entrypoints.chat_server import main  # noqa: E402
+from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main("Chapter 05: continuous batching",
-                  scheduler_cls=ContinuousScheduler,  # ch05: iteration-level scheduling
-                  enable_prefix_caching=True))  # ch05: on by default, as in vLLM's engine
+    sys.exit(run_chat_server("Chapter 05: continuous batching",
+                             scheduler_cls=ContinuousScheduler,  # ch05: iteration-level scheduling
+                             enable_prefix_caching=True))  # ch05: on by default, as in vLLM's engine

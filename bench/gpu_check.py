@@ -124,7 +124,7 @@ def step_equivalence(step: Step, budget: float) -> None:
             done = {}
             while engine.has_unfinished_requests():
                 done.update({o.request_id: o for o in engine.step() if o.finished})
-            same = all(done[r].token_ids == expected[r] for r in prompts)
+            same = all(done[r].outputs[0].token_ids == expected[r] for r in prompts)
             label = f"{name} {'eager' if eager else 'cuda graphs'}"
             results[label] = "equal" if same else "DIFFERENT"
             if not same:

@@ -105,7 +105,7 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:  # FINAL_ONLY: one output per request
-                    tokens[output.request_id] = output.token_ids
+                    tokens[output.request_id] = output.outputs[0].token_ids
             bar.update(engine.stats.generation_tokens - bar.n)
     return [tokens[f"{run}-r{i}"] for i in range(len(prompts))], time.perf_counter() - start
 

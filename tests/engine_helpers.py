@@ -23,14 +23,14 @@ def make_engine(loaded, policy="continuous", num_blocks=None, impl=None, **confi
 def run_all(engine, prompts: dict[str, list[int]] | None = None,
             params: SamplingParams | None = None, on_step=None) -> dict:
     """Add `prompts` (request id -> token ids), step until done.
-    Returns request id -> final RequestOutput."""
+    Returns request id -> its final CompletionOutput (`.outputs[0]`)."""
     for request_id, ids in (prompts or {}).items():
         engine.add_request(request_id, ids, params or SamplingParams(temperature=0, max_tokens=32))
     done = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                done[output.request_id] = output
+                done[output.request_id] = output.outputs[0]
         if on_step is not None:
             on_step(engine)
     return done

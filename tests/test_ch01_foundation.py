@@ -125,7 +125,7 @@ def assert_bad_input_rejected(url: str) -> None:
 
 def test_model_is_a_positional_or_a_flag_as_in_vllm_serve():
     from common.config import resolve_model_flags
-    from common.entrypoints.chat_server import server_parser
+    from common.entrypoints.cli_args import server_parser
 
     def model(*argv):
         parser = server_parser("test")

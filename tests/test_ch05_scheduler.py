@@ -322,7 +322,7 @@ def test_outputs_carry_deltas_or_only_the_final_answer(tiny_llama):
     outputs = {"delta": [], "final": []}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            outputs[output.request_id].append(output)
+            outputs[output.request_id].append(output.outputs[0])
     assert [len(o.token_ids) for o in outputs["delta"]] == [1] * 6
     assert [o.num_output_tokens for o in outputs["delta"]] == [1, 2, 3, 4, 5, 6]
     assert len(outputs["final"]) == 1 and outputs["final"][0].finished

@@ -19,9 +19,9 @@ import openai
 import pytest
 import requests
 
-from common.engine.async_llm import AsyncLLMEngine
+from common.engine.async_llm import AsyncLLM
 from common.entrypoints.api_server import build_app
-from common.entrypoints.chat_server import RateLimit
+from common.entrypoints.middleware import RateLimit
 from common.entrypoints.launcher import exit_code, make_server
 from common.engine.stats import FinishedRequestStats, IterationStats
 from common.entrypoints.metrics import Metrics
@@ -486,7 +486,7 @@ def test_api_key_guards_every_route_but_the_public_ones(server):
         assert_error(post(server, path, body, headers={}), 401)
         assert post(server, path, body).status_code == 200
     assert_error(post(server, "/detokenize", {"tokens": [1000000]}), 400, "tokens")
-    from common.entrypoints.api_server import PUBLIC_PATHS
+    from common.entrypoints.middleware import PUBLIC_PATHS
     routes = requests.get(server.url + "/openapi.json", timeout=30).json()["paths"]
     for path, methods in routes.items():
         method = "get" if "get" in methods else "post"
@@ -585,7 +585,7 @@ class LocalServer:
 
     def __init__(self, loaded=None, max_num_seqs: int = 64, engine=None,
                  timeout_read: float = 30.0, **app_kw):
-        self.engine = engine or AsyncLLMEngine(make_engine(loaded, num_blocks=64,
+        self.engine = engine or AsyncLLM(make_engine(loaded, num_blocks=64,
                                                            max_num_seqs=max_num_seqs))
         self.port = port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -656,13 +656,13 @@ def test_a_burst_on_an_idle_server_is_not_refused(local):
 
 def test_internal_error_gives_500_and_the_engine_keeps_serving(local):
     runner = local.engine.engine.worker.model_runner
-    original = runner.run
+    original = runner.execute_model
 
     def broken(batch):
-        runner.run = original  # fail once
+        runner.execute_model = original  # fail once
         raise RuntimeError("simulated kernel failure")
 
-    runner.run = broken
+    runner.execute_model = broken
     error = assert_error(local_chat(local), 500)
     assert "simulated kernel failure" in error["message"]
     assert local_chat(local).status_code == 200
@@ -717,16 +717,16 @@ def test_one_sequence_failing_fails_only_its_own_request(local):
 
 def test_error_after_the_stream_started_is_an_sse_error_event(local):
     runner = local.engine.engine.worker.model_runner
-    original, calls = runner.run, []
+    original, calls = runner.execute_model, []
 
     def fails_on_third_step(batch):
         calls.append(1)
         if len(calls) == 3:
-            runner.run = original
+            runner.execute_model = original
             raise RuntimeError("simulated failure mid-stream")
         return original(batch)
 
-    runner.run = fails_on_third_step
+    runner.execute_model = fails_on_third_step
     events = sse_events(local_chat(local, max_tokens=16, stream=True))
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
@@ -921,7 +921,7 @@ def test_engine_death_503_for_everyone_then_the_server_exits_with_1(embedded):
 def test_dead_engine_answers_503_on_health_chat_and_says_so_in_stats(embedded):
     """Until the server has shut down, every request gets the 503 (here the
     server is not told to exit, so we can look)."""
-    engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
+    engine = AsyncLLM(make_engine(embedded, num_blocks=64))
 
     def dies(*_):
         raise SystemExit("simulated loop death")
@@ -1056,7 +1056,7 @@ def test_metrics_endpoint_of_a_served_engine(embedded, impl):
     """The app serves the metrics it is given, and the engine times every
     token: after a chat (one output) and a stream (four), /metrics counts
     them with vLLM's names, 3 inter-token gaps each."""
-    engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
+    engine = AsyncLLM(make_engine(embedded, num_blocks=64))
     metrics = Metrics(engine.snapshot, "local", lambda: engine.alive, impl.EngineCollector,
                       impl.LatencyStatLogger)
     local = LocalServer(engine=engine, metrics=metrics)

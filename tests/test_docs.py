@@ -182,7 +182,7 @@ def test_the_lint_catches_a_stale_quote(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("`merge_deltas` keeps `sent_text` per choice, see\n"
                     "`common/openai_api.py` and `common.engine_server`;\n"
-                    "`OpenAIServing.final_outputs` and `AsyncLLMEngine.generate`.\n"
+                    "`OpenAIServing.final_outputs` and `AsyncLLM.generate`.\n"
                     "File: `bench/results/1999-01-01-vm.md`.\n")
     found = {f.split(": ", 1)[1] for f in problems(page, "page.md")}
     assert found == {

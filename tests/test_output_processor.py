@@ -39,7 +39,7 @@ def run(params: SamplingParams, tokens: list[int], finish_last_as: str = "length
         if k == len(tokens) - 1:
             seq.finish_reason = finish_last_as
         new, to_finish = processor.process([seq])
-        outputs += new
+        outputs += [o.outputs[0] for o in new]
         finished_by_processor += [f.reason for f in to_finish]
         if to_finish:
             break

@@ -199,13 +199,13 @@ def test_the_embedded_model_is_bfloat16_by_its_config():
     (True, ["--no-enable-prefix-caching"], False),
 ])
 def test_prefix_caching_defaults_per_chapter(chapter_default, argv, expected):
-    from common.entrypoints.chat_server import server_parser
+    from common.entrypoints.cli_args import server_parser
     args = server_parser("test", enable_prefix_caching=chapter_default).parse_args(argv)
     assert args.enable_prefix_caching is expected
 
 
 def test_chapters_05_and_06_turn_prefix_caching_on():
-    from common.entrypoints.api_server import parser
-    assert parser().parse_args([]).enable_prefix_caching is True
+    from common.entrypoints.cli_args import api_server_parser
+    assert api_server_parser().parse_args([]).enable_prefix_caching is True
     source = (ROOT / "05-continuous-batching" / "server.py").read_text()
     assert "enable_prefix_caching=True" in source

@@ -41,7 +41,7 @@ def drive(kind: RequestOutputKind, tokens: list[int], times: list[float], stop=N
             seq.finish_reason = finish_last_as
         steps.append(IterationStats(now))
         new, to_finish = processor.process([seq], steps[-1])
-        outputs += new
+        outputs += [o.outputs[0] for o in new]
         if to_finish:
             break
     return outputs, steps
@@ -105,7 +105,7 @@ def test_a_request_failed_before_its_first_token_or_aborted_has_no_figures():
     step = IterationStats(101.0)
     outputs, _ = processor.process([failed], step)
     processor.abort("aborted")
-    assert [o.finish_reason for o in outputs] == ["error"]
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error"]
     assert (step.time_to_first_tokens_iter, step.finished_requests) == ([], [])
     assert step.num_generation_tokens == 0
 
@@ -192,8 +192,8 @@ def test_every_step_goes_to_the_stat_loggers_and_a_broken_one_kills_nothing(embe
 
 
 def test_the_time_to_first_token_runs_from_the_arrival_at_the_async_front(embedded):
-    from common.engine.async_llm import AsyncLLMEngine
-    engine = AsyncLLMEngine(make_engine(embedded, num_blocks=64))
+    from common.engine.async_llm import AsyncLLM
+    engine = AsyncLLM(make_engine(embedded, num_blocks=64))
     recorder = Recorder()
     engine.add_stat_logger(recorder)
 

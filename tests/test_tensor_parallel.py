@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from transformers import GPT2Config
 
 from common.config import ConfigError, EngineConfig
-from common.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from common.engine.async_llm import AsyncLLM, EngineDeadError
 from common.engine.llm_engine import LLMEngine
 from common.engine.tp_workers import RankDiedError
 from common.layers.parallel import vocab_shard
@@ -142,7 +142,7 @@ def test_a_dead_rank_stops_the_engine_loop_with_a_clear_error(tiny_tp2):
     """Kill rank 1 mid-request: the request gets EngineDeadError, the loop
     dies with RankDiedError naming the rank (a server answers 503 and
     exits 1). Runs last: it breaks the module's TP=2 engine."""
-    engine = AsyncLLMEngine(tiny_tp2)
+    engine = AsyncLLM(tiny_tp2)
     worker = tiny_tp2.workers.processes[0]
 
     params = greedy(1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

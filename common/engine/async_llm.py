@@ -1,4 +1,4 @@
-"""AsyncLLMEngine: the engine behind a server (ch03-06).
+"""AsyncLLM (vLLM v1's name and file): the engine behind a server (ch03-06).
 
 One background thread drives `LLMEngine.step()` while there is work; each
 request gets its own asyncio stream of outputs. Servers only talk to this
@@ -37,8 +37,8 @@ import time
 from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine
-from common.engine.output_processor import RequestOutput
 from common.engine.tp_workers import RankDiedError
+from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
@@ -52,7 +52,7 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; the others go on."""
 
 
-class AsyncLLMEngine:
+class AsyncLLM:
     """A background thread drives `engine.step()`; each request is an async
     stream. Only that thread touches the engine."""
 
@@ -81,7 +81,7 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def build(cls, factory: Callable[[], LLMEngine]) -> "AsyncLLMEngine":
+    def build(cls, factory: Callable[[], LLMEngine]) -> "AsyncLLM":
         """Run `factory` (load the model, size the cache) on a short-lived
         thread, then start the engine loop on its own thread.
 
@@ -114,8 +114,8 @@ class AsyncLLMEngine:
         """The engine's admission rules (context length, cache size)."""
         self.engine.check_request(num_prompt_tokens, params)
 
-    def default_max_tokens(self, num_prompt_tokens: int, fill: bool = False) -> int:
-        return self.engine.default_max_tokens(num_prompt_tokens, fill)
+    def default_max_tokens(self, num_prompt_tokens: int, cap: int | None) -> int:
+        return self.engine.default_max_tokens(num_prompt_tokens, cap)
 
     def num_waiting(self, extra: int = 0) -> int:
         """Requests that will not run at the next step (with `extra` more
@@ -217,8 +217,9 @@ class AsyncLLMEngine:
                     self._num_drained += added
                     self._published = self.engine.snapshot()
                 for output in outputs:
-                    if output.finish_reason == "error":
-                        self._send(output.request_id, RequestFailedError(output.error))
+                    completion = output.outputs[0]
+                    if completion.finish_reason is FinishReason.ERROR:
+                        self._send(output.request_id, RequestFailedError(completion.error))
                     else:
                         self._send(output.request_id, output)
         except BaseException as exc:  # noqa: BLE001 - the loop is dead: tell everyone
@@ -245,7 +246,7 @@ class RequestStream:
     """One request's outputs, as an async iterator. `close()` before the
     end aborts the request (its blocks are freed at the next step)."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str):
+    def __init__(self, engine: AsyncLLM, request_id: str):
         self.engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()

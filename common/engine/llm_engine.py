@@ -3,7 +3,7 @@
 `LLMEngine.step()` is one iteration, as in nano-vllm:
 
     batch   = scheduler.schedule()                  # who runs, how many tokens each
-    sampled = model_runner.run(batch)               # one forward pass, one sampler call
+    sampled = model_runner.execute_model(batch)     # one forward pass, one sampler call
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
     outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
     for logger in stat_loggers: logger.record(iteration_stats)   # ch06: the step's times
@@ -51,7 +51,7 @@ from common.autoregressive import eos_token_ids
 from common.config import EngineConfig
 from common.engine.block_manager import BlockManager, KVCacheUsage
 from common.engine.kv_cache import KVCache
-from common.engine.output_processor import OutputProcessor, RequestOutput
+from common.engine.output_processor import OutputProcessor
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, IterationStats
@@ -60,6 +60,7 @@ from common.engine.worker import build_worker
 from common.layers.sampler import RequestSamplingState, SampledToken
 from common.loader import LoadedModel, load_model
 from common.models import check_tensor_parallel
+from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("llm-course")
@@ -87,12 +88,13 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len:
             "or of the completion.")
 
 
-def default_max_tokens(num_prompt_tokens: int, room: int, fill: bool = False) -> int:
+def default_max_tokens(num_prompt_tokens: int, room: int,
+                       cap: int | None = DEFAULT_MAX_TOKENS) -> int:
     """max_tokens for a request that gives none, when `room` tokens fit in
-    all: DEFAULT_MAX_TOKENS, or (`fill`, chapter 06) all that fits. At
-    least 1, so that a prompt too long fails the context check."""
+    all: what is left, at most `cap` (None: no cap, vLLM's rule, chapter
+    06). At least 1, so that a prompt too long fails the context check."""
     left = room - num_prompt_tokens
-    return max(1, left if fill else min(DEFAULT_MAX_TOKENS, left))
+    return max(1, left if cap is None else min(cap, left))
 
 
 class LLMEngine:
@@ -149,10 +151,11 @@ class LLMEngine:
         """Tokens the whole KV cache holds."""
         return self.block_manager.num_blocks * self.block_size
 
-    def default_max_tokens(self, num_prompt_tokens: int, fill: bool = False) -> int:
-        """What fits in the context and in the whole cache."""
+    def default_max_tokens(self, num_prompt_tokens: int,
+                           cap: int | None = DEFAULT_MAX_TOKENS) -> int:
+        """What fits in the context and in the whole cache, at most `cap`."""
         return default_max_tokens(num_prompt_tokens, min(self.max_model_len, self.cache_tokens),
-                                  fill)
+                                  cap)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse at once what could never run (instead of hanging). The
@@ -189,9 +192,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, FinishReason.ABORT)
             self.output_processor.abort(request_id)
-            self._count_finished("abort")
+            self._count_finished(FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,7 +205,7 @@ class LLMEngine:
         if not batch:
             return []
         prompt_tokens = self._count_scheduled(batch)
-        sampled = self.worker.model_runner.run(batch)
+        sampled = self.worker.model_runner.execute_model(batch)
         updated = self.scheduler.update_from_output(batch, sampled)
         iteration_stats = IterationStats(time.monotonic())  # ch06: every new token's time
         iteration_stats.num_prompt_tokens = prompt_tokens
@@ -212,7 +215,7 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 del self.sequences[output.request_id]
-                self._count_finished(output.finish_reason)
+                self._count_finished(output.outputs[0].finish_reason)
         generated = sum(isinstance(t, SampledToken) for t in sampled.values())
         self.stats.generation_tokens += generated
         self.stats.iteration_tokens.observe(prompt_tokens + generated)
@@ -252,7 +255,7 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - a figure lost, never the engine
                 log.exception("stat logger %r failed; the engine goes on", logger)
 
-    def _count_finished(self, reason: str) -> None:
+    def _count_finished(self, reason: FinishReason) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def kv_usage(self) -> KVCacheUsage:

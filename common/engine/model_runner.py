@@ -12,7 +12,7 @@ CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 ch06, tensor parallelism: the step's inputs are first built as plain lists
 (`StepInputs`), which rank 0 sends to the other ranks
 (common/engine/tp_workers.py); every rank's `Worker` (worker.py) then runs
-`execute_model` on them, and only rank 0 gets logits and samples.
+`forward_logits` on them, and only rank 0 gets logits and samples.
 
 Left out: async scheduling (preparing step n+1 while step n runs), graphs
 of prefill steps, CUDA graphs together with tensor parallelism.
@@ -93,7 +93,7 @@ class ModelRunner:
             sample_rows=[query_start[i + 1] - 1 for i, item in enumerate(batch) if item.samples])
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInputs) -> torch.Tensor | None:
+    def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass and the LM head; every rank runs it (ch06).
         Returns the logits (num_sampling, vocab), or None where this step
         samples nothing, and on ranks other than 0."""
@@ -109,16 +109,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
-    def run(self, batch: list[ScheduledSeq]) -> dict[Sequence, SampledToken | SamplingFailed]:
+    def execute_model(self, batch: list[ScheduledSeq]
+                      ) -> dict[Sequence, SampledToken | SamplingFailed]:
         """One forward pass. Returns the new token of each sequence that
         samples this step (a prefill chunk that is not the last has none)."""
         # ch05: prefill chunks and decodes share the batch; decodes go first
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
         step = self.prepare_inputs(batch)
         if self.workers is not None:  # ch06: the other ranks run the same step
-            logits = self.workers.execute(step, self.execute_model)
+            logits = self.workers.execute(step, self.forward_logits)
         else:
-            logits = self.execute_model(step)
+            logits = self.forward_logits(step)
         if logits is None:
             return {}
         seqs = [item.seq for item in batch if item.samples]

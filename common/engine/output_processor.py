@@ -41,26 +41,10 @@ import ahocorasick
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.sequence import Sequence
 from common.engine.stats import IterationStats, RequestStateStats
-from common.layers.sampler import SampledToken
+from common.outputs import CompletionOutput, FinishReason, RequestOutput
 from common.sampling_params import RequestOutputKind
 
 log = logging.getLogger("llm-course")
-
-
-@dataclass
-class RequestOutput:
-    """What one request receives. DELTA: this step's tokens and text;
-    FINAL_ONLY: the whole answer."""
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str  # stop strings removed and never sent
-    logprobs: list[SampledToken]
-    num_output_tokens: int  # all of them so far (for `usage`)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    error: str | None
-    num_cached_tokens: int
 
 
 class StopStrings:
@@ -105,7 +89,7 @@ class RequestState:
 class Finish:
     """A sequence the engine must finish now (the scheduler frees its blocks)."""
     seq: Sequence
-    reason: str
+    reason: FinishReason
     error: str | None = None
 
 
@@ -137,11 +121,11 @@ class OutputProcessor:
                 try:
                     new_text, stop_matched = self._new_text(state, reason is not None)
                     if stop_matched:
-                        reason = "stop"
+                        reason = FinishReason.STOP
                         to_finish.append(Finish(seq, reason))
                 except Exception as exc:  # noqa: BLE001 - this request's error only
                     log.exception("output processing failed for %s", seq.request_id)
-                    reason, error = "error", f"output processing failed: {exc!r}"
+                    reason, error = FinishReason.ERROR, f"output processing failed: {exc!r}"
                     to_finish.append(Finish(seq, reason, error))
             output = self._output(state, new_text, reason, error)
             if output is not None:
@@ -177,7 +161,7 @@ class OutputProcessor:
         return text
 
     @staticmethod
-    def _output(state: RequestState, new_text: str, reason: str | None,
+    def _output(state: RequestState, new_text: str, reason: FinishReason | None,
                 error: str | None) -> RequestOutput | None:
         seq, done = state.seq, reason is not None
         if seq.params.output_kind is RequestOutputKind.DELTA:
@@ -187,6 +171,7 @@ class OutputProcessor:
             logprobs = list(seq.output_logprobs)
         else:
             return None
-        return RequestOutput(
-            seq.request_id, seq.prompt_token_ids, token_ids, text, logprobs,
-            seq.num_output_tokens, done, reason, error, seq.num_cached_tokens)
+        completion = CompletionOutput(0, text, token_ids, logprobs, reason,
+                                      seq.num_output_tokens, error)
+        return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [completion], done,
+                             seq.num_cached_tokens)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from common.engine.block_manager import BlockManager
 from common.engine.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken, SamplingFailed
+from common.outputs import FinishReason
 
 
 @dataclass
@@ -160,7 +161,7 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that is not the last
             if isinstance(token, SamplingFailed):
-                self.finish(seq, "error", f"sampling failed: {token.error!r}")
+                self.finish(seq, FinishReason.ERROR, f"sampling failed: {token.error!r}")
             else:
                 seq.append(token)
                 reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
@@ -169,7 +170,7 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Free a finished, failed or aborted sequence's blocks at once."""
         if seq in self.running:
             self.running.remove(seq)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.layers.sampler import RequestSamplingState, SampledToken
+from common.outputs import FinishReason
 from common.sampling_params import SamplingParams
 
 
@@ -45,8 +46,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # ch04: of each full block, once
     num_registered_blocks: int = 0  # ch04: blocks already in the prefix cache
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None  # what went wrong, when finish_reason is "error"
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # what went wrong, when finish_reason is ERROR
     sampling: RequestSamplingState | None = None  # built by the engine (None: scheduler tests)
     arrival_time: float = field(default_factory=time.monotonic)  # or the async front's
     first_scheduled_time: float | None = None  # set by the engine at its first step
@@ -76,15 +77,15 @@ class Sequence:
         if self.sampling is not None:
             self.sampling.append(sampled.token_id)
 
-    def check_stop(self, eos_token_ids: set[int], max_model_len: int) -> str | None:
+    def check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
         """Finish reason after the last appended token, or None to go on.
         (Stop *strings* are checked on the text, by the output processor.)"""
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens:
             if last in self.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if not self.params.ignore_eos and last in eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None

@@ -19,7 +19,7 @@ a step share that step's `iteration_timestamp`, whatever the request's
 `RequestOutputKind` (a FINAL_ONLY request receives one output, yet each
 of its tokens is timed). Times are `time.monotonic()` seconds; a
 request's `arrival_time` is when it reached the engine's async front
-(`AsyncLLMEngine.add_request`) or, offline, `LLMEngine.add_request`.
+(`AsyncLLM.add_request`) or, offline, `LLMEngine.add_request`.
 
 Left out: vLLM's `SchedulerStats` (the snapshot plays its part), its
 frontend wall-clock arrival time beside the engine core's monotonic
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+
+from common.outputs import FinishReason
 
 # vLLM's buckets for the tokens of one engine step (vllm:iteration_tokens_total).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -95,7 +97,7 @@ class RequestStateStats:
 class FinishedRequestStats:
     """A finished request's figures (vLLM's names), in seconds and tokens."""
     request_id: str
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: FinishReason  # STOP, LENGTH or ERROR
     e2e_latency: float  # arrival -> the step that finished it (its last token's)
     num_prompt_tokens: int
     num_generation_tokens: int
@@ -138,7 +140,7 @@ class IterationStats:
         req_stats.num_generation_tokens += 1
         self.num_generation_tokens += 1
 
-    def update_from_finished_request(self, request_id: str, finish_reason: str,
+    def update_from_finished_request(self, request_id: str, finish_reason: FinishReason,
                                      num_prompt_tokens: int, max_tokens_param: int,
                                      req_stats: RequestStateStats) -> None:
         """A request finished this step (after its last `update_from_output`).

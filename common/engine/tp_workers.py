@@ -68,14 +68,14 @@ class TPWorkers:
         self._threads = torch.get_num_threads()
         atexit.register(self.shutdown)
 
-    def execute(self, step: StepInputs, execute_model) -> torch.Tensor | None:
+    def execute(self, step: StepInputs, forward_logits) -> torch.Tensor | None:
         """Send the step to every worker, run rank 0's part. Any failure
         is fatal: the ranks would be out of step."""
         try:
             self.check_alive()
             for conn in self.conns:
                 conn.send(step)
-            return execute_model(step)
+            return forward_logits(step)
         except RankDiedError:
             raise
         except Exception as exc:  # noqa: BLE001 - turned into the fatal error

@@ -115,7 +115,7 @@ class Worker:
                 return
             if step == STOP:
                 return
-            self.model_runner.execute_model(step)  # all-reduces inside; logits go to rank 0
+            self.model_runner.forward_logits(step)  # all-reduces inside; logits go to rank 0
 
 
 def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: int | None,

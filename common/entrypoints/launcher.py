@@ -39,10 +39,10 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common.entrypoints.protocol import APIError
+from common.entrypoints.middleware import APIError
 
 if TYPE_CHECKING:
-    from common.engine.async_llm import AsyncLLMEngine
+    from common.engine.async_llm import AsyncLLM
 
 log = logging.getLogger("llm-course")
 
@@ -162,7 +162,7 @@ class Server(uvicorn.Server):
         self._captured_signals.clear()  # uvicorn would raise it again once stopped
 
 
-def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | None = None,
+def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLM | None = None,
                 log_level: str = "info", timeout_read: float = DEFAULT_TIMEOUT_READ_S,
                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> Server:
     """uvicorn with the read deadline and the bounded shutdown, told to
@@ -181,12 +181,12 @@ def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLMEngine | Non
     return server
 
 
-def exit_code(engine: AsyncLLMEngine | None) -> int:
+def exit_code(engine: AsyncLLM | None) -> int:
     """1 when the engine died (a supervisor should restart the server)."""
     return 1 if engine is not None and not engine.alive else 0
 
 
-def serve(app: FastAPI, args: argparse.Namespace, engine: AsyncLLMEngine | None = None) -> int:
+def serve(app: FastAPI, args: argparse.Namespace, engine: AsyncLLM | None = None) -> int:
     """Serve until SIGTERM/Ctrl-C (or the engine's death); returns the exit status."""
     make_server(app, args.host, args.port, engine, timeout_read=args.timeout_read,
                 shutdown_timeout=args.shutdown_timeout).run()

@@ -11,37 +11,22 @@ entrypoint, the engine trusts what it is given), then handed to the engine
 at once; continuous batching runs them together, and a tqdm bar counts
 finished requests. Each request asks only for its final output. Prompts
 may be strings, token id lists, or (with `LLM.chat`) chat message lists.
+Each answer is the engine's own final `RequestOutput` (common/outputs.py,
+vLLM's shape), with the prompt's text added.
 
 Left out: LoRA requests, pooling/embedding models, beam search.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.output_processor import RequestOutput
 from common.loader import LoadedModel, apply_chat_template
+from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclass
-class GenerationOutput:
-    """vLLM's RequestOutput shape: `.outputs[0].text`."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
 
 
 class LLM:
@@ -62,7 +47,7 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list, sampling_params:
                  SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -86,15 +71,12 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [GenerationOutput(
-            rid, prompt if isinstance(prompt, str) else None, finished[rid].prompt_token_ids,
-            [CompletionOutput(0, finished[rid].text, finished[rid].token_ids,
-                              finished[rid].finish_reason)])
-            for rid, prompt in zip(ids, prompts)]
+        return [replace(finished[rid], prompt=prompt if isinstance(prompt, str) else None)
+                for rid, prompt in zip(ids, prompts)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[GenerationOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]

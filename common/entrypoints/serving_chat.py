@@ -1,0 +1,112 @@
+"""`POST /v1/chat/completions` on the engine (ch03; streaming ch06).
+
+One request, top to bottom (`create_chat_completion`):
+
+    model name -> chat template (in a worker thread: never on the event
+    loop, where it would stall every other request) -> token ids
+    -> `start`: one engine request per choice (common/entrypoints/serving_engine.py)
+    -> whole answers: one final output per choice -> one JSON response
+    -> or (ch06, `stream: true`) SSE: a role chunk per choice, then a chunk
+       per delta as the engine makes it, a finish chunk per choice, the
+       usage chunk if asked (`stream_options.include_usage`), `[DONE]`.
+
+Chapters 03-05 answer whole; their route refuses `stream: true` (api_server.py).
+
+Left out: tool calls, `response_format` other than text, `echo`,
+per-chunk usage (`continuous_usage_stats`).
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from common.engine.async_llm import RequestStream
+from common.entrypoints.protocol import ChatCompletionRequest
+from common.entrypoints.responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChunkChoice,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    new_id,
+    sse,
+)
+from common.entrypoints.serving_engine import (
+    OpenAIServing,
+    check_model_name,
+    event_stream,
+    usage,
+)
+from common.layers.sampler import SampledToken
+from common.loader import apply_chat_template
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Chat completions (vLLM's class name)."""
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
+        check_model_name(req.model, self.model_name)
+        prompt = await run_in_threadpool(self.chat_prompt, req)
+        request_id = new_id("chatcmpl")
+        streams = self.start(request_id, [prompt], req, "messages")
+        if req.stream:  # ch06
+            return event_stream(self.chat_stream(request_id, prompt, req, streams), streams)
+        answers = await self.answers(request, streams, req.n)
+        return ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=self.model_name,
+            choices=[ChatChoice(index=i, message=ResponseMessage(content=a.text),
+                                finish_reason=a.finish_reason,
+                                logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None,
+                                token_ids=a.token_ids if req.return_token_ids else None)
+                     for i, a in enumerate(answers)],
+            usage=usage([prompt], sum(a.num_output_tokens for a in answers)),
+            prompt_token_ids=prompt if req.return_token_ids else None)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template (in a worker thread)."""
+        return apply_chat_template(self.tokenizer, req.message_dicts())
+
+    # ch06: Server-Sent Events, a chunk per delta.
+    async def chat_stream(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
+                          streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChunkChoice], usage: Usage | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created,
+                                           model=self.model_name, choices=choices, usage=usage,
+                                           prompt_token_ids=prompt_token_ids))
+
+        for i in range(len(streams)):
+            yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})],
+                        prompt_token_ids=prompt if req.return_token_ids and i == 0 else None)
+        completion_tokens = 0
+        async for i, out in self.outputs(streams, req.n):  # each output is a delta
+            new_logprobs = out.logprobs if req.logprobs else []
+            if out.text or new_logprobs or (req.return_token_ids and out.token_ids):
+                yield chunk([ChunkChoice(
+                    index=i, delta={"content": out.text},
+                    logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None,
+                    token_ids=out.token_ids if req.return_token_ids else None)])
+            if out.finished:
+                completion_tokens += out.num_output_tokens
+                yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], usage([prompt], completion_tokens))
+
+    def chat_logprobs(self, tokens: list[SampledToken]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return ChatLogprobs(content=[
+            TokenLogprob(**entry(t.token_id, t.logprob),
+                         top_logprobs=[TopLogprob(**entry(i, lp)) for i, lp in t.top_logprobs])
+            for t in tokens])

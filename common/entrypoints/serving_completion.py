@@ -1,0 +1,135 @@
+"""`POST /v1/completions`: text completions on the engine (ch06).
+
+One request, top to bottom (`create_completion`):
+
+    model name -> the prompts (a string, several strings, token ids or
+    several lists of ids; tokenized in a worker thread) -> `start`: n
+    engine requests per prompt (common/entrypoints/serving_engine.py)
+    -> whole answers: one final output per choice -> one JSON response
+    -> or (`stream: true`) SSE: a chunk per delta as the engine makes it
+       (a chunk is a `CompletionResponse` with this step's text), the
+       finish reason in each choice's last chunk, the usage chunk if
+       asked, `[DONE]`.
+
+Logprobs in OpenAI's text-completion shape: tokens, their logprobs, the
+top logprobs as {token: logprob} (the sampled token included), and each
+token's character offset in the choice's text.
+
+Left out: `echo`, `suffix`, `best_of` > n.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from common.engine.async_llm import RequestStream
+from common.entrypoints.middleware import APIError
+from common.entrypoints.protocol import CompletionRequest
+from common.entrypoints.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+    new_id,
+    sse,
+)
+from common.entrypoints.serving_engine import (
+    OpenAIServing,
+    check_model_name,
+    event_stream,
+    usage,
+)
+from common.layers.sampler import SampledToken
+from common.outputs import CompletionOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Text completions (vLLM's class name)."""
+
+    async def create_completion(self, req: CompletionRequest, request: Request):
+        check_model_name(req.model, self.model_name)
+        prompts = await run_in_threadpool(self.completion_prompts, req)
+        request_id = new_id("cmpl")
+        streams = self.start(request_id, prompts, req, "prompt")
+        if req.stream:
+            return event_stream(self.completion_stream(request_id, prompts, req, streams),
+                                streams)
+        answers = await self.answers(request, streams, req.n)
+        return CompletionResponse(
+            id=request_id, created=int(time.time()), model=self.model_name,
+            choices=[self.completion_choice(i, a, prompts[i // req.n], req)
+                     for i, a in enumerate(answers)],
+            usage=usage(prompts, sum(a.num_output_tokens for a in answers)))
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """A prompt, several prompts, token ids or several lists of ids
+        (in a worker thread: tokenizing may take a while)."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # one prompt
+        if not prompt or any(len(p) == 0 for p in prompt):
+            raise APIError(400, "The prompt must not be empty.", param="prompt")
+        return [self.encode(p) if isinstance(p, str) else self.check_token_ids(p, "prompt")
+                for p in prompt]
+
+    def completion_choice(self, index: int, answer: CompletionOutput, prompt: list[int],
+                          req: CompletionRequest) -> CompletionChoice:
+        logprobs = (None if req.logprobs is None
+                    else self.completion_logprobs(answer.logprobs, 0))
+        ids = req.return_token_ids
+        return CompletionChoice(index=index, text=answer.text, logprobs=logprobs,
+                                finish_reason=answer.finish_reason,
+                                token_ids=answer.token_ids if ids else None,
+                                prompt_token_ids=prompt if ids else None)
+
+    async def completion_stream(self, request_id: str, prompts: list[list[int]],
+                                req: CompletionRequest,
+                                streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return sse(CompletionResponse(id=request_id, created=created,
+                                          model=self.model_name, choices=choices, usage=usage))
+
+        completion_tokens = 0
+        token_chars = [0] * len(streams)  # the text of the tokens so far, per choice (text_offset)
+        first = [True] * len(streams)  # prompt_token_ids go in each choice's first chunk
+        ids = req.return_token_ids
+        async for i, out in self.outputs(streams, req.n):  # each output is a delta
+            new_logprobs = out.logprobs if req.logprobs is not None else []
+            if out.text or new_logprobs or out.finished or (ids and out.token_ids):
+                logprobs = (self.completion_logprobs(new_logprobs, token_chars[i])
+                            if req.logprobs is not None else None)
+                if logprobs is not None:
+                    token_chars[i] += sum(map(len, logprobs.tokens))
+                prompt = prompts[i // req.n] if ids and first[i] else None
+                first[i] = False
+                yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
+                                              finish_reason=out.finish_reason,
+                                              token_ids=out.token_ids if ids else None,
+                                              prompt_token_ids=prompt)])
+            if out.finished:
+                completion_tokens += out.num_output_tokens
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], usage(prompts, completion_tokens))
+
+    def completion_logprobs(self, tokens: list[SampledToken], offset: int) -> CompletionLogprobs:
+        """`offset`: characters of this choice's tokens before these ones (their
+        own text, not what has been released: a stop string holds text back).
+        Each position's top logprobs include the sampled token, as OpenAI's
+        and vLLM's do (up to `logprobs` + 1 entries)."""
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        tops = []
+        for text, t in zip(texts, tokens):
+            top = {self.token_text(i): lp for i, lp in t.top_logprobs}
+            top.setdefault(text, t.logprob)
+            tops.append(top)
+        return CompletionLogprobs(tokens=texts, token_logprobs=[t.logprob for t in tokens],
+                                  top_logprobs=tops, text_offset=offsets)

@@ -1,0 +1,289 @@
+"""The serving core (ch03): a validated OpenAI request -> engine requests -> outputs.
+
+`OpenAIServing` (vLLM's base class, same name) is the only code that talks
+to the engine (`AsyncLLM`). For every request it
+
+1. checks what needs the model, once, before queueing anything: the model
+   name (404), token ids inside the vocabulary, the context length and the
+   cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503);
+2. queues one engine request per choice: choice k is sample k % n of
+   prompt k // n; sample s of a seeded request gets seed + s, so the n
+   choices differ yet replay the same;
+3. merges the choices' outputs as they come (`outputs`: deltas, for a
+   stream) or collects whole answers (`answers`: the final output only,
+   vLLM's FINAL_ONLY); a client that hangs up has its requests aborted,
+   and their KV blocks freed, at the next engine step. The latencies
+   (`/metrics`) are timed by the engine itself, whatever the kind.
+
+One endpoint per file, each readable top to bottom: serving_chat.py (ch03;
+streams ch06), serving_completion.py, serving_tokenization.py (ch06).
+Chapter 06 composes this core with vLLM's defaults: `default_max_tokens=None`
+(fill the context), `max_waiting` (backpressure), `metrics` (`n`).
+
+Left out: beam search, LoRA adapters, priorities, several models.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from common.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
+from common.engine.llm_engine import DEFAULT_MAX_TOKENS, ContextLengthError, check_context_length
+from common.entrypoints.metrics import Metrics
+from common.entrypoints.middleware import APIError, internal_error
+from common.entrypoints.protocol import SamplingFields
+from common.entrypoints.responses import Usage, sse
+from common.outputs import CompletionOutput
+from common.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("llm-course")
+
+DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 1
+
+
+# ------------------------------------------------ checks every chapter shares
+def check_model_name(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist.",
+                       "not_found_error", "model", "model_not_found")
+
+
+def context_error(exc: ContextLengthError, param: str) -> APIError:
+    return APIError(400, str(exc), param=param, code="context_length_exceeded")
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+                  param: str) -> None:
+    """The engine's context rule, as a 400 naming the prompt's field (ch01-02)."""
+    try:
+        check_context_length(num_prompt_tokens, max_tokens, max_model_len)
+    except ContextLengthError as exc:
+        raise context_error(exc, param) from None
+
+
+def no_streaming_error() -> APIError:
+    """`stream: true` on the chapters that answer whole (01-05)."""
+    return APIError(400, "This chapter's server does not stream; chapter 06's does.",
+                    param="stream")
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """What a request's client sees when the engine could not serve it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running ({exc}); the server is "
+                        "shutting down.", "server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"This request failed inside the engine: {exc}",
+                        "internal_server_error")
+    return internal_error(exc)
+
+
+def usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+# ------------------------------------------------------------- the wire
+async def cancel_on_disconnect(request: Request, work: Awaitable):
+    """Await `work`, but cancel it (aborting its engine requests) if the
+    client hangs up first: a dropped non-streaming request frees its blocks."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected: aborting %s", request.url.path)
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
+def event_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    """SSE around an event generator (ch06): an error after the stream
+    started goes out as a `data: {"error": ...}` event; `data: [DONE]`
+    always ends it. When the client hangs up, Starlette stops iterating and
+    closes this generator, which aborts the choices that have not finished."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the headers are already sent
+            log.exception("error while streaming")
+            yield sse(engine_error(exc).body())
+        finally:
+            await events.aclose()
+            close_all(streams)
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    """Abort whatever has not finished (a no-op for finished choices)."""
+    for stream in streams:
+        stream.close()
+
+
+# ----------------------------------------------------------------- serving
+class OpenAIServing:
+    """The serving core that every endpoint class extends."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, *,
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 max_waiting: int | None = None, metrics: Metrics | None = None):
+        """`default_max_tokens`: for a request that gives none (None: all
+        that fits, as vLLM; ch06). `max_waiting`: most requests waiting for
+        a slot, more get a 503 (None: no limit; ch06). `metrics`: where the
+        `n` of each finished request goes (ch06)."""
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+
+    # -------------------------------------------------------- validation
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [i for i in ids if not 0 <= i < self.engine.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of range [0, "
+                           f"{self.engine.vocab_size}).", param=param)
+        return ids
+
+    def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
+                        param: str) -> SamplingParams:
+        """The engine's SamplingParams for one choice, checked once against
+        the vocabulary and the engine's rules (context length, cache size)."""
+        max_tokens = req.requested_max_tokens() or self.engine.default_max_tokens(
+            len(prompt_ids), cap=self.default_max_tokens)
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(list(req.logit_bias_ids()), "logit_bias")
+        params = SamplingParams(
+            temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k if req.top_k > 0 else -1,  # 0 and -1 both mean off, as in vLLM
+            min_p=req.min_p, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias_ids(), seed=None if req.seed is None else req.seed + sample,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs_count(),
+            # a whole answer needs only the final output (vLLM's FINAL_ONLY): one
+            # message from the engine thread per request instead of one per token
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
+        try:
+            self.engine.check_request(len(prompt_ids), params)
+        except ContextLengthError as exc:
+            raise context_error(exc, param) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        return params
+
+    def check_capacity(self, num_new: int) -> None:
+        """Backpressure (ch06): refuse what would wait beyond --max-waiting."""
+        if self.max_waiting is None:
+            return
+        most = self.engine.max_num_seqs + self.max_waiting
+        if num_new > most:
+            raise APIError(400, f"This request asks for {num_new} sequences; at most "
+                           f"{most} can ever be admitted at once (--max-num-seqs + "
+                           "--max-waiting).", param="n")
+        if self.engine.num_waiting(extra=num_new) > self.max_waiting:  # if these were added
+            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting()} "
+                           f"requests are waiting for a slot (--max-waiting {self.max_waiting}). "
+                           "Retry later.", "server_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    # ----------------------------------------------------------- engine
+    def start(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
+              param: str) -> list[RequestStream]:
+        """Validate everything first, then queue one engine request per
+        choice: choice k is sample k % n of prompt k // n."""
+        prepared = [(ids, self.sampling_params(req, ids, sample, param))
+                    for ids in prompts for sample in range(req.n)]
+        self.check_capacity(len(prepared))
+        try:
+            return [self.engine.add_request(f"{request_id}-{k}", ids, params)
+                    for k, (ids, params) in enumerate(prepared)]
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+
+    async def outputs(self, streams: list[RequestStream], n: int
+                      ) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """The choices' outputs interleaved as they come: (choice index,
+        its CompletionOutput). An engine error ends them as an APIError; closing this
+        iterator aborts every unfinished choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+        generated: dict[int, list[int]] = {}  # prompt -> tokens of its finished choices
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise engine_error(item)
+                completion = item.outputs[0]  # one per engine request (n fans out here)
+                if completion.finished:
+                    remaining -= 1
+                    self._finished_choice(generated, index // n, n, completion.num_output_tokens)
+                yield index, completion
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            close_all(streams)
+
+    def _finished_choice(self, generated: dict[int, list[int]], prompt: int, n: int,
+                         num_tokens: int) -> None:
+        """ch06: once the n choices of a prompt have finished, its `n` metrics."""
+        done = generated.setdefault(prompt, [])
+        done.append(num_tokens)
+        if self.metrics is not None and len(done) == n:
+            self.metrics.record_parent(n, done)
+
+    async def answers(self, request: Request, streams: list[RequestStream],
+                      n: int) -> list[CompletionOutput]:
+        """Each choice's whole answer (its one FINAL_ONLY output), for a
+        non-streaming response."""
+        async def collect() -> list[CompletionOutput]:
+            answers: list[CompletionOutput | None] = [None] * len(streams)
+            async for index, output in self.outputs(streams, n):
+                answers[index] = output
+            return answers
+
+        try:
+            return await cancel_on_disconnect(request, collect())
+        finally:
+            close_all(streams)
+
+    # ----------------------------------------------------------- tokens
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

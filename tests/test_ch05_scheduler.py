@@ -39,7 +39,7 @@ def test_mixed_arrivals_through_the_scheduler_equal_hf(embedded, prompts, impl):
             engine.add_request(str(i), prompts[i], greedy(32))
         for output in engine.step():
             if output.finished:
-                done[output.request_id] = output
+                done[output.request_id] = output.outputs[0]
         step += 1
     for i, ids in enumerate(prompts):
         assert done[str(i)].token_ids == hf_greedy(embedded.model, ids, 32)
@@ -302,7 +302,7 @@ def test_one_failing_sequence_does_not_fail_the_batch(tiny_llama):
     engine.add_request("bad-text", ids["1"], params)
     first = engine.step()  # the prefill: every request is in the batch; bad-row fails
     engine.output_processor.states["bad-text"].detokenizer.step = None  # not callable
-    done = {o.request_id: o for o in first if o.finished} | run_all(engine)
+    done = {o.request_id: o.outputs[0] for o in first if o.finished} | run_all(engine)
     assert done["bad-row"].finish_reason == "error" and "simulated" in done["bad-row"].error
     assert done["bad-text"].finish_reason == "error"
     for request_id, output in reference.items():

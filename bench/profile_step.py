@@ -1,0 +1,281 @@
+"""Where a decode step's time goes (ch05-06): a wall-clock breakdown and a torch.profiler table.
+
+    python -m bench.profile_step                          # bfloat16 and float32, 32 and 64 seqs
+    python -m bench.profile_step --dtypes float32 --seqs 64
+
+For each dtype and batch size, an in-process `LLMEngine` (chapter 06's
+defaults: continuous batching, prefix caching, the demo card unless
+`--card`) gets `--seqs` requests of the load test's prompts at once,
+`--max-tokens` greedy tokens each, EOS ignored: the loads of `make bench`
+(32 x 64 and 64 x 128 tokens). Once every sequence is decoding, it times
+`--steps` decode steps two ways:
+
+1. wall clock, by wrapping the engine's functions (scheduling, input
+   preparation, each linear by name, the attention's store / gather /
+   softmax, the norms, the LM head, the sampler, the output processor)
+   with `time.perf_counter`: on the CPU every op is synchronous, so the
+   parts add up to the step; what no wrapper covers is "other" (the rotary
+   embedding, reshapes, the residual adds, Python);
+2. torch.profiler over the same kind of steps, its ops by self CPU time
+   (the profiler's own overhead inflates the small ops: the wall clock is
+   the reference, the table says which kernels run).
+
+It also runs the whole load offline, as the engine alone (no HTTP), for
+output tokens/s to compare with the served figures of `make bench`.
+
+Results: bench/results/DATE-HOST-profile.{json,md} (`--tag` adds a suffix,
+for a before/after pair).
+
+Left out: CUDA (use torch.profiler with CUDA activities there), prefill
+steps (the loads are decode-bound after their first step).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import json
+import socket
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.bench import bf16_words, machine
+from bench.loadtest import prompt_messages
+from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.layers import attention as attention_module
+from common.layers.fused import FusedLinear
+from common.loader import apply_chat_template, load_model
+from common.models import llama as llama_module
+from common.sampling_params import SamplingParams
+
+DEMO_CARD_GB = 1.1
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Timers:
+    """Seconds per named part, summed over the timed steps."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.on = False
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    old = vars(obj)[name] if isinstance(obj, type) else getattr(obj, name)  # a staticmethod stays one
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
+    """Wrap the parts of a step with timers (undone when the stack closes)."""
+    runner = engine.worker.model_runner
+    model = runner.model
+    names = {id(getattr(getattr(layer, part), proj)): proj
+             for layer in model.layers for part in ("self_attn", "mlp")
+             for proj in LINEARS if hasattr(getattr(layer, part), proj)}
+    linear = llama_module.linear
+
+    def named_linear(x, layer):
+        return timers.wrap(f"linear {names.get(id(layer), '?')}", linear)(x, layer)
+
+    ops = model.attention_ops
+    stack = contextlib.ExitStack()
+    for target, attr, name in [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner, "prepare_inputs", "prepare inputs"),
+        (engine.scheduler, "update_from_output", "update from output"),
+        (engine.output_processor, "process", "output processor (detokenize, stops)"),
+        (runner, "sampler", "sampler"),
+        (model, "compute_logits", "LM head"),
+        (model, "embed", "embedding"),
+        (model, "attention", "attention block (all)"),
+        (model, "mlp", "MLP block (all)"),
+    ]:
+        stack.enter_context(patched(target, attr, timers.wrap(name, getattr(target, attr))))
+    stack.enter_context(patched(llama_module, "linear", named_linear))
+    fused_call = FusedLinear.__call__
+
+    def named_fused(fused, x):  # ch05: q/k/v (3 parts) or gate/up (2) in one product
+        name = "linear q/k/v fused" if len(fused.sizes) == 3 else "linear gate/up fused"
+        return timers.wrap(name, fused_call)(fused, x)
+
+    stack.enter_context(patched(FusedLinear, "__call__", named_fused))
+    stack.enter_context(patched(llama_module, "rms_norm",
+                                timers.wrap("RMSNorm", llama_module.rms_norm)))
+    stack.enter_context(patched(llama_module, "paged_attention",
+                                timers.wrap("attention (all)", llama_module.paged_attention)))
+    for attr, name in [("store_kvcache", "attention: store K/V"),
+                       ("paged_decode_attention", "attention: decode (all)"),
+                       ("paged_prefill_attention", "attention: prefill")]:
+        stack.enter_context(patched(ops, attr, staticmethod(timers.wrap(name, getattr(ops, attr)))))
+    for attr, name in [("gather_kv", "attention: decode gather K/V"),
+                       ("gather_slots", "attention: decode slots")]:
+        stack.enter_context(patched(attention_module, attr,
+                                    timers.wrap(name, getattr(attention_module, attr))))
+    return stack
+
+
+def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float]]:
+    """Exclusive parts (ms per step), the wrappers' totals split into what they hold."""
+    s = dict(seconds)
+    linear = {p: s.pop(f"linear {p}", 0.0) for p in LINEARS}
+    linear["q_proj"] += s.pop("linear q/k/v fused", 0.0)  # ch05: the three in one product
+    linear["gate_proj"] += s.pop("linear gate/up fused", 0.0)
+    attn_all = s.pop("attention block (all)", 0.0)
+    mlp_all = s.pop("MLP block (all)", 0.0)
+    paged = s.pop("attention (all)", 0.0)
+    decode = s.pop("attention: decode (all)", 0.0)
+    gather = s.pop("attention: decode gather K/V", 0.0) + s.pop("attention: decode slots", 0.0)
+    parts = {
+        "linear q/k/v": linear["q_proj"] + linear["k_proj"] + linear["v_proj"],
+        "rotary, reshapes (attention block, rest)":
+            attn_all - paged - sum(linear[p] for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        "attention: store K/V": s.pop("attention: store K/V", 0.0),
+        "attention: decode gather K/V": gather,
+        "attention: decode softmax(QK)V (SDPA)": decode - gather,
+        "attention: prefill": s.pop("attention: prefill", 0.0),
+        "linear o_proj": linear["o_proj"],
+        "linear gate/up": linear["gate_proj"] + linear["up_proj"],
+        "SiLU x up (MLP block, rest)":
+            mlp_all - linear["gate_proj"] - linear["up_proj"] - linear["down_proj"],
+        "linear down_proj": linear["down_proj"],
+    }
+    parts["attention: other"] = (paged - parts["attention: store K/V"] - decode
+                                 - parts["attention: prefill"])
+    parts.update(s)  # schedule, prepare inputs, RMSNorm, LM head, sampler, ...
+    parts["other (residuals, Python, engine bookkeeping)"] = step_s - sum(parts.values())
+    return sorted(((k, v) for k, v in parts.items()), key=lambda kv: -kv[1])
+
+
+def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+
+
+def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb: float,
+            warm_steps: int) -> dict:
+    config = EngineConfig(device="cpu", dtype=dtype, device_memory_gb=card_gb,
+                          max_num_seqs=seqs, enable_prefix_caching=True)
+    engine = LLMEngine(config, loaded=loaded, log_interval_s=1e9)
+    prompts = [apply_chat_template(loaded.tokenizer, prompt_messages(i)) for i in range(seqs)]
+    # The whole load, offline: output tokens/s of the engine alone.
+    start_load(engine, prompts, max_tokens)
+    begin = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    offline_s = time.perf_counter() - begin
+    # Again, stopped half way for the breakdown: every sequence decoding.
+    start_load(engine, prompts, max_tokens)
+    while engine.stats.generation_tokens < seqs * max_tokens + seqs * warm_steps:
+        engine.step()
+    assert len(engine.scheduler.running) == seqs, "not every sequence is decoding"
+    contexts = [s.num_tokens for s in engine.scheduler.running]
+    timers = Timers()
+    with instrument(engine, timers):
+        timers.on = True
+        begin = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_s = (time.perf_counter() - begin) / steps
+        timers.on = False
+    parts = breakdown({k: v / steps for k, v in timers.seconds.items()}, step_s)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(min(steps, 4)):
+            engine.step()
+    table = [(e.key, e.self_cpu_time_total / 1e3 / min(steps, 4), e.count // min(steps, 4))
+             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps,
+            "context_min": min(contexts), "context_max": max(contexts),
+            "step_ms": step_s * 1e3, "decode_tok_s": seqs / step_s,
+            "offline_tok_s": seqs * max_tokens / offline_s, "offline_s": offline_s,
+            "parts_ms": [(k, v * 1e3) for k, v in parts],
+            "profiler_ms": table, "threads": torch.get_num_threads()}
+
+
+def markdown(rec: dict) -> str:
+    m = rec["machine"]
+    lines = [f"# Where a decode step's time goes{' (' + rec['tag'] + ')' if rec.get('tag') else ''}",
+             "",
+             f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
+             f"torch {m['torch']}; {rec['minutes']:.1f} min.",
+             f"Command: `{rec['command']}`. Engine in process (no HTTP), chapter 06's defaults, "
+             f"card {rec['card_gb']} GiB, the load test's prompts, greedy, EOS ignored; "
+             f"{torch.get_num_threads()} intra-op threads.",
+             "",
+             "| dtype | seqs | context | ms / decode step | decode tok/s | whole load offline tok/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rec["runs"]:
+        lines.append(f"| {r['dtype']} | {r['seqs']} | {r['context_min']}-{r['context_max']} | "
+                     f"{r['step_ms']:.1f} | {r['decode_tok_s']:.0f} | {r['offline_tok_s']:.0f} |")
+    for r in rec["runs"]:
+        lines += ["", f"## {r['dtype']}, {r['seqs']} sequences: {r['step_ms']:.1f} ms a step",
+                  "", "Wall clock (exclusive parts, ms per step):", "",
+                  "| part | ms | % |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.2f} | {100 * v / r['step_ms']:.1f} |" for k, v in r["parts_ms"]
+                  if abs(v) >= 0.005]
+        lines += ["", "torch.profiler, top ops by self CPU time (ms per step, calls per step):",
+                  "", "| op | ms | calls |", "|---|---|---|"]
+        lines += [f"| `{k}` | {v:.2f} | {c} |" for k, v, c in r["profiler_ms"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--seqs", nargs="+", type=int, default=[32, 64])
+    p.add_argument("--max-tokens", type=int, nargs="+", default=None,
+                   help="per --seqs entry (default: 64 for 32 sequences, 128 otherwise)")
+    p.add_argument("--steps", type=int, default=12, help="decode steps timed")
+    p.add_argument("--card", type=float, default=DEMO_CARD_GB)
+    p.add_argument("--tag", default="", help="a suffix for the results file (before/after)")
+    add_quiet_run_args(p)
+    args = p.parse_args(argv)
+    if args.render:
+        render_again(args.render, markdown)
+        return 0
+    wait_for_quiet_machine(args.wait_quiet)
+    max_tokens = args.max_tokens or [64 if s <= 32 else 128 for s in args.seqs]
+    start, runs = time.perf_counter(), []
+    for dtype in args.dtypes:
+        loaded = load_model("smollm2", dtype, "cpu")
+        for seqs, tokens in zip(args.seqs, max_tokens):
+            print(f"{dtype}, {seqs} sequences x {tokens} tokens", flush=True)
+            runs.append(measure(loaded, dtype, seqs, tokens, args.steps, args.card,
+                                warm_steps=tokens // 2))
+    rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "machine": machine(), "card_gb": args.card, "tag": args.tag,
+           "command": "python -m bench.profile_step " + " ".join(argv or []),
+           "minutes": (time.perf_counter() - start) / 60, "runs": runs}
+    stem = f"{datetime.date.today()}-{socket.gethostname()}-profile{'-' + args.tag if args.tag else ''}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(rec, indent=1))
+    (args.out_dir / f"{stem}.md").write_text(markdown(rec))
+    print(markdown(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,7 +21,10 @@ defaults: continuous batching, prefix caching, the demo card unless
    the reference, the table says which kernels run).
 
 It also runs the whole load offline, as the engine alone (no HTTP), for
-output tokens/s to compare with the served figures of `make bench`.
+output tokens/s to compare with the served figures of `make bench`; and
+puts chapter 05's fused q/k/v and gate/up products against one product per
+projection, in turn on the same running batch (a before/after pair
+measured in one run, immune to the machine's drift).
 
 Results: bench/results/DATE-HOST-profile.{json,md} (`--tag` adds a suffix,
 for a before/after pair).
@@ -37,6 +40,7 @@ import contextlib
 import datetime
 import json
 import socket
+import sys
 import time
 
 import torch
@@ -129,9 +133,11 @@ def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
                        ("paged_prefill_attention", "attention: prefill")]:
         stack.enter_context(patched(ops, attr, staticmethod(timers.wrap(name, getattr(ops, attr)))))
     for attr, name in [("gather_kv", "attention: decode gather K/V"),
-                       ("gather_slots", "attention: decode slots")]:
-        stack.enter_context(patched(attention_module, attr,
-                                    timers.wrap(name, getattr(attention_module, attr))))
+                       ("gather_slots", "attention: decode slots"),
+                       ("gather_blocks", "attention: decode gather K/V blocks")]:
+        if hasattr(attention_module, attr):  # gather_blocks: since the ch04 change
+            stack.enter_context(patched(attention_module, attr,
+                                        timers.wrap(name, getattr(attention_module, attr))))
     return stack
 
 
@@ -145,7 +151,8 @@ def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float
     mlp_all = s.pop("MLP block (all)", 0.0)
     paged = s.pop("attention (all)", 0.0)
     decode = s.pop("attention: decode (all)", 0.0)
-    gather = s.pop("attention: decode gather K/V", 0.0) + s.pop("attention: decode slots", 0.0)
+    gather = sum(s.pop(k, 0.0) for k in ("attention: decode gather K/V", "attention: decode slots",
+                                         "attention: decode gather K/V blocks"))
     parts = {
         "linear q/k/v": linear["q_proj"] + linear["k_proj"] + linear["v_proj"],
         "rotary, reshapes (attention block, rest)":
@@ -165,6 +172,27 @@ def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float
     parts.update(s)  # schedule, prepare inputs, RMSNorm, LM head, sampler, ...
     parts["other (residuals, Python, engine bookkeeping)"] = step_s - sum(parts.values())
     return sorted(((k, v) for k, v in parts.items()), key=lambda kv: -kv[1])
+
+
+def unfused_vs_fused(engine: LLMEngine, rounds: int, steps: int) -> dict:
+    """ch05's fused q/k/v and gate/up products against one product per
+    projection (the path quantized layers take), in turn on the same running
+    batch: ms per decode step of each, medians over the rounds."""
+    model = engine.worker.model_runner.model
+    fused = (model.qkv, model.gate_up)
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for _ in range(rounds):
+        for variant in ("unfused", "fused"):
+            if variant == "unfused":
+                model.qkv, model.gate_up = [None] * len(fused[0]), [None] * len(fused[1])
+            begin = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times[variant].append((time.perf_counter() - begin) / steps * 1e3)
+            model.qkv, model.gate_up = fused
+    medians = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {**{f"{k}_ms": v for k, v in medians.items()},
+            "speedup": medians["unfused"] / medians["fused"], "rounds": rounds, "steps": steps}
 
 
 def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
@@ -205,9 +233,11 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
             engine.step()
     table = [(e.key, e.self_cpu_time_total / 1e3 / min(steps, 4), e.count // min(steps, 4))
              for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
+    ab = unfused_vs_fused(engine, rounds=5, steps=2) if len(engine.scheduler.running) == seqs \
+        else None
     while engine.has_unfinished_requests():
         engine.step()
-    return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps,
+    return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps, "ab": ab,
             "context_min": min(contexts), "context_max": max(contexts),
             "step_ms": step_s * 1e3, "decode_tok_s": seqs / step_s,
             "offline_tok_s": seqs * max_tokens / offline_s, "offline_s": offline_s,
@@ -223,13 +253,20 @@ def markdown(rec: dict) -> str:
              f"torch {m['torch']}; {rec['minutes']:.1f} min.",
              f"Command: `{rec['command']}`. Engine in process (no HTTP), chapter 06's defaults, "
              f"card {rec['card_gb']} GiB, the load test's prompts, greedy, EOS ignored; "
-             f"{torch.get_num_threads()} intra-op threads.",
+             f"{rec['runs'][0]['threads']} intra-op threads.",
              "",
              "| dtype | seqs | context | ms / decode step | decode tok/s | whole load offline tok/s |",
              "|---|---|---|---|---|---|"]
     for r in rec["runs"]:
         lines.append(f"| {r['dtype']} | {r['seqs']} | {r['context_min']}-{r['context_max']} | "
                      f"{r['step_ms']:.1f} | {r['decode_tok_s']:.0f} | {r['offline_tok_s']:.0f} |")
+    if any(r.get("ab") for r in rec["runs"]):
+        lines += ["", "ch05, fused q/k/v and gate/up products against one per projection, in "
+                  "turn on the same running batch (median ms per decode step):", "",
+                  "| dtype | seqs | one per projection | fused | speed-up |", "|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['seqs']} | {r['ab']['unfused_ms']:.1f} | "
+                  f"{r['ab']['fused_ms']:.1f} | {r['ab']['speedup']:.2f}x |"
+                  for r in rec["runs"] if r.get("ab")]
     for r in rec["runs"]:
         lines += ["", f"## {r['dtype']}, {r['seqs']} sequences: {r['step_ms']:.1f} ms a step",
                   "", "Wall clock (exclusive parts, ms per step):", "",
@@ -264,10 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         for seqs, tokens in zip(args.seqs, max_tokens):
             print(f"{dtype}, {seqs} sequences x {tokens} tokens", flush=True)
             runs.append(measure(loaded, dtype, seqs, tokens, args.steps, args.card,
-                                warm_steps=tokens // 2))
+                                warm_steps=tokens // 3))
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine(), "card_gb": args.card, "tag": args.tag,
-           "command": "python -m bench.profile_step " + " ".join(argv or []),
+           "command": " ".join(["python -m bench.profile_step",
+                                *(sys.argv[1:] if argv is None else argv)]),
            "minutes": (time.perf_counter() - start) / 60, "runs": runs}
     stem = f"{datetime.date.today()}-{socket.gethostname()}-profile{'-' + args.tag if args.tag else ''}"
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,11 @@ query heads and num_kv_heads/N KV heads, 1/N of the MLP and of the
 vocabulary; o_proj, down_proj and the embedding end with an all-reduce, the
 LM head with a gather on rank 0. With one rank nothing of that runs.
 
-Left out: Mistral's sliding window (attention sees the whole context),
-fused QKV/gate-up matmuls.
+ch05: q/k/v and gate/up are each one matrix product (common/layers/fused.py,
+as vLLM's QKVParallelLinear and MergedColumnParallelLinear), except for
+quantized layers (ch06), which keep one product per projection.
+
+Left out: Mistral's sliding window (attention sees the whole context).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from common.layers.parallel import (
     vocab_parallel_embedding,
     vocab_shard,
 )
+from common.layers.fused import FusedLinear, fuse_linears
 from common.layers.logits import lm_head
 
 
@@ -79,6 +83,11 @@ class LlamaForward:
         rotary = hf_model.model.rotary_emb
         self.inv_freq = rotary.inv_freq  # (head_dim / 2,)
         self.attention_scaling = getattr(rotary, "attention_scaling", 1.0)
+        # ch05: one product for q/k/v and one for gate/up (None: quantized, one each)
+        self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                  layer.self_attn.v_proj]) for layer in self.layers]
+        self.gate_up = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+                        for layer in self.layers]
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # (T, D/2)
@@ -87,12 +96,17 @@ class LlamaForward:
         sin = (angles.sin() * self.attention_scaling).to(dtype)[:, None, :]
         return cos, sin
 
-    def attention(self, layer, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def attention(self, layer, qkv: FusedLinear | None, x, cos, sin, k_cache, v_cache,
+                  meta: AttentionMetadata):
         attn = layer.self_attn
         num_tokens = x.shape[0]
-        q = linear(x, attn.q_proj).view(num_tokens, self.num_heads, self.head_dim)
-        k = linear(x, attn.k_proj).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = linear(x, attn.v_proj).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if qkv is not None:  # ch05: one product, split in three (views)
+            q, k, v = qkv(x)
+        else:  # ch06: quantized, one product each
+            q, k, v = (linear(x, proj) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin  # (T, H, D)
         k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
@@ -100,9 +114,13 @@ class LlamaForward:
         out = linear(out.reshape(num_tokens, -1), attn.o_proj)  # (T, hidden)
         return self.tp.all_reduce(out)  # ch06: sum the ranks' partial outputs
 
-    def mlp(self, layer, x):
+    def mlp(self, layer, gate_up: FusedLinear | None, x):
         mlp = layer.mlp
-        out = linear(self.act(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        if gate_up is not None:  # ch05: one product, split in two
+            gate, up = gate_up(x)
+        else:  # ch06: quantized
+            gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
+        out = linear(self.act(gate) * up, mlp.down_proj)
         return self.tp.all_reduce(out)  # ch06: (T, hidden), summed over the ranks
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -118,10 +136,12 @@ class LlamaForward:
         """input_ids, positions: (num_tokens,). Returns hidden states (num_tokens, hidden)."""
         h = self.embed(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, h.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = h + self.attention(layer, rms_norm(h, layer.input_layernorm.weight, self.eps),
-                                   cos, sin, k_cache, v_cache, meta)
-            h = h + self.mlp(layer, rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_caches[i]
+            x = rms_norm(h, layer.input_layernorm.weight, self.eps)
+            h = h + self.attention(layer, self.qkv[i], x, cos, sin, k_cache, v_cache, meta)
+            x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            h = h + self.mlp(layer, self.gate_up[i], x)
         return rms_norm(h, self.hf.model.norm.weight, self.eps)
 
     @torch.no_grad()

@@ -195,6 +195,29 @@ def unfused_vs_fused(engine: LLMEngine, rounds: int, steps: int) -> dict:
             "speedup": medians["unfused"] / medians["fused"], "rounds": rounds, "steps": steps}
 
 
+def gemm_roofline(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of one large square matrix product on this machine (the BLAS at
+    its best: what a decode step's products could reach at most)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size ** 3 * repeats / (time.perf_counter() - begin) / 1e9
+
+
+def flops_per_token(hf_model, context: int) -> float:
+    """2 per weight of every matrix product (the decoder's linears and the
+    LM head; not the embedding, a lookup) plus attention's 4 x context x
+    heads x head_dim per layer."""
+    cfg, layers = hf_model.config, hf_model.model.layers
+    linear = sum(m.weight.numel() for layer in layers for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 4 * context * cfg.num_attention_heads * head_dim * len(layers)
+    return 2 * (linear + hf_model.lm_head.weight.numel()) + attention
+
+
 def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -237,7 +260,11 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
         else None
     while engine.has_unfinished_requests():
         engine.step()
+    step_flops = seqs * flops_per_token(loaded.model, sum(contexts) // len(contexts))
+    roofline = gemm_roofline(loaded.model.dtype)
     return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps, "ab": ab,
+            "step_gflops": step_flops / 1e9, "gflop_s": step_flops / step_s / 1e9,
+            "roofline_gflop_s": roofline,
             "context_min": min(contexts), "context_max": max(contexts),
             "step_ms": step_s * 1e3, "decode_tok_s": seqs / step_s,
             "offline_tok_s": seqs * max_tokens / offline_s, "offline_s": offline_s,
@@ -260,6 +287,15 @@ def markdown(rec: dict) -> str:
     for r in rec["runs"]:
         lines.append(f"| {r['dtype']} | {r['seqs']} | {r['context_min']}-{r['context_max']} | "
                      f"{r['step_ms']:.1f} | {r['decode_tok_s']:.0f} | {r['offline_tok_s']:.0f} |")
+    if all("roofline_gflop_s" in r for r in rec["runs"]):
+        lines += ["", "Against the roofline: a decode step's arithmetic (2 FLOP per weight of "
+                  "every matrix product, plus attention) over its time, next to one large "
+                  "(2048 x 2048) matrix product's GFLOP/s in the same dtype on this machine:", "",
+                  "| dtype | seqs | GFLOP a step | GFLOP/s | GEMM roofline GFLOP/s | % |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['seqs']} | {r['step_gflops']:.1f} | {r['gflop_s']:.0f} | "
+                  f"{r['roofline_gflop_s']:.0f} | {100 * r['gflop_s'] / r['roofline_gflop_s']:.0f} |"
+                  for r in rec["runs"]]
     if any(r.get("ab") for r in rec["runs"]):
         lines += ["", "ch05, fused q/k/v and gate/up products against one per projection, in "
                   "turn on the same running batch (median ms per decode step):", "",

@@ -22,9 +22,9 @@ defaults: continuous batching, prefix caching, the demo card unless
 
 It also runs the whole load offline, as the engine alone (no HTTP), for
 output tokens/s to compare with the served figures of `make bench`; and
-puts chapter 05's fused q/k/v and gate/up products against one product per
-projection, in turn on the same running batch (a before/after pair
-measured in one run, immune to the machine's drift).
+puts each of chapter 05's changes (fused products, greedy argmax in the
+logits' dtype) against its previous version, in turn on the same running batch (a before/after pair measured
+in one run, immune to the machine's drift).
 
 Results: bench/results/DATE-HOST-profile.{json,md} (`--tag` adds a suffix,
 for a before/after pair).
@@ -42,6 +42,7 @@ import json
 import socket
 import sys
 import time
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -174,25 +175,45 @@ def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float
     return sorted(((k, v) for k, v in parts.items()), key=lambda kv: -kv[1])
 
 
-def unfused_vs_fused(engine: LLMEngine, rounds: int, steps: int) -> dict:
-    """ch05's fused q/k/v and gate/up products against one product per
-    projection (the path quantized layers take), in turn on the same running
-    batch: ms per decode step of each, medians over the rounds."""
-    model = engine.worker.model_runner.model
-    fused = (model.qkv, model.gate_up)
-    times: dict[str, list[float]] = {"fused": [], "unfused": []}
-    for _ in range(rounds):
-        for variant in ("unfused", "fused"):
-            if variant == "unfused":
-                model.qkv, model.gate_up = [None] * len(fused[0]), [None] * len(fused[1])
-            begin = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            times[variant].append((time.perf_counter() - begin) / steps * 1e3)
-            model.qkv, model.gate_up = fused
-    medians = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    return {**{f"{k}_ms": v for k, v in medians.items()},
-            "speedup": medians["unfused"] / medians["fused"], "rounds": rounds, "steps": steps}
+def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.ExitStack]]:
+    """Each ch05 change of issue 22, undone: what the A/B puts the code against."""
+    runner = engine.worker.model_runner
+    model = runner.model
+
+    def unfused() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(patched(model, "qkv", [None] * len(model.qkv)))
+        stack.enter_context(patched(model, "gate_up", [None] * len(model.gate_up)))
+        return stack
+
+    def float32_logits() -> contextlib.ExitStack:
+        sampler = runner.sampler
+        stack = contextlib.ExitStack()
+        stack.enter_context(patched(runner, "sampler",
+                                    lambda logits, states: sampler(logits.float(), states)))
+        return stack
+
+    return {"fused q/k/v and gate/up products": unfused,
+            "greedy argmax in the logits' dtype": float32_logits}
+
+
+def now_vs_before(engine: LLMEngine, rounds: int, steps: int) -> list[dict]:
+    """Each change against its previous version, in turn on the same running
+    batch: ms per decode step, medians over the rounds."""
+    rows = []
+    for change, previous in previous_versions(engine).items():
+        times: dict[str, list[float]] = {"before": [], "now": []}
+        for _ in range(rounds):
+            for variant in ("before", "now"):
+                with previous() if variant == "before" else contextlib.ExitStack():
+                    begin = time.perf_counter()
+                    for _ in range(steps):
+                        engine.step()
+                    times[variant].append((time.perf_counter() - begin) / steps * 1e3)
+        medians = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        rows.append({"change": change, "before_ms": medians["before"], "now_ms": medians["now"],
+                     "speedup": medians["before"] / medians["now"]})
+    return rows
 
 
 def gemm_roofline(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
@@ -225,7 +246,7 @@ def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb: float,
-            warm_steps: int) -> dict:
+            warm_steps: int, rounds: int) -> dict:
     config = EngineConfig(device="cpu", dtype=dtype, device_memory_gb=card_gb,
                           max_num_seqs=seqs, enable_prefix_caching=True)
     engine = LLMEngine(config, loaded=loaded, log_interval_s=1e9)
@@ -256,7 +277,7 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
             engine.step()
     table = [(e.key, e.self_cpu_time_total / 1e3 / min(steps, 4), e.count // min(steps, 4))
              for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
-    ab = unfused_vs_fused(engine, rounds=5, steps=2) if len(engine.scheduler.running) == seqs \
+    ab = now_vs_before(engine, rounds, steps=2) if len(engine.scheduler.running) == seqs \
         else None
     while engine.has_unfinished_requests():
         engine.step()
@@ -297,12 +318,12 @@ def markdown(rec: dict) -> str:
                   f"{r['roofline_gflop_s']:.0f} | {100 * r['gflop_s'] / r['roofline_gflop_s']:.0f} |"
                   for r in rec["runs"]]
     if any(r.get("ab") for r in rec["runs"]):
-        lines += ["", "ch05, fused q/k/v and gate/up products against one per projection, in "
-                  "turn on the same running batch (median ms per decode step):", "",
-                  "| dtype | seqs | one per projection | fused | speed-up |", "|---|---|---|---|---|"]
-        lines += [f"| {r['dtype']} | {r['seqs']} | {r['ab']['unfused_ms']:.1f} | "
-                  f"{r['ab']['fused_ms']:.1f} | {r['ab']['speedup']:.2f}x |"
-                  for r in rec["runs"] if r.get("ab")]
+        lines += ["", "Each change of chapter 05 against its previous version, in turn on the "
+                  "same running batch (median ms per decode step):", "",
+                  "| dtype | seqs | change | before | now | speed-up |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['seqs']} | {ab['change']} | {ab['before_ms']:.1f} | "
+                  f"{ab['now_ms']:.1f} | {ab['speedup']:.2f}x |"
+                  for r in rec["runs"] for ab in (r.get("ab") or [])]
     for r in rec["runs"]:
         lines += ["", f"## {r['dtype']}, {r['seqs']} sequences: {r['step_ms']:.1f} ms a step",
                   "", "Wall clock (exclusive parts, ms per step):", "",
@@ -322,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, nargs="+", default=None,
                    help="per --seqs entry (default: 64 for 32 sequences, 128 otherwise)")
     p.add_argument("--steps", type=int, default=12, help="decode steps timed")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="before/now rounds of each change's A/B (2 steps each)")
     p.add_argument("--card", type=float, default=DEMO_CARD_GB)
     p.add_argument("--tag", default="", help="a suffix for the results file (before/after)")
     add_quiet_run_args(p)
@@ -337,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         for seqs, tokens in zip(args.seqs, max_tokens):
             print(f"{dtype}, {seqs} sequences x {tokens} tokens", flush=True)
             runs.append(measure(loaded, dtype, seqs, tokens, args.steps, args.card,
-                                warm_steps=tokens // 3))
+                                warm_steps=tokens // 8, rounds=args.rounds))
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine(), "card_gb": args.card, "tag": args.tag,
            "command": " ".join(["python -m bench.profile_step",

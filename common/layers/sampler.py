@@ -143,20 +143,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[RequestSamplingState]
                  ) -> list[SampledToken | SamplingFailed]:
         """logits: (num_seqs, vocab); `states[i]`: row i's request."""
-        # All the logits to the host, on purpose: each seeded request draws from
-        # its own CPU torch.Generator, so that a seed gives the same tokens on a
-        # GPU machine and on a CPU one, whatever else is in the batch (a CUDA
-        # generator's stream differs). It costs one copy of (num_seqs, vocab).
-        logits = logits.float().cpu()
         results: list[SampledToken | SamplingFailed | None] = [None] * len(states)
         # Plain greedy rows (no penalty, bias, ban or logprobs) need only an
-        # argmax: one call for all of them instead of one per row.
+        # argmax: one call for all of them instead of one per row, in the
+        # logits' own dtype (bfloat16 -> float32 is exact: the same argmax).
         plain = [i for i, state in enumerate(states) if state.plain_greedy]
         if plain:
             rows = logits if len(plain) == len(states) else logits[plain]
             tokens = rows.argmax(dim=-1).tolist()  # (num_plain,)
             for i, token in zip(plain, tokens):
                 results[i] = SampledToken(token)
+        if len(plain) == len(states):
+            return results
+        # The other rows' logits to the host, on purpose: each seeded request
+        # draws from its own CPU torch.Generator, so that a seed gives the same
+        # tokens on a GPU machine and on a CPU one, whatever else is in the
+        # batch (a CUDA generator's stream differs). One copy of (num_seqs, vocab).
+        logits = logits.float().cpu()
         for i, state in enumerate(states):
             if results[i] is None:
                 try:

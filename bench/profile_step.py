@@ -43,6 +43,7 @@ import socket
 import sys
 import time
 from typing import Callable
+from unittest.mock import patch
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -81,16 +82,6 @@ class Timers:
         return timed
 
 
-@contextlib.contextmanager
-def patched(obj, name: str, value):
-    old = vars(obj)[name] if isinstance(obj, type) else getattr(obj, name)  # a staticmethod stays one
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
     """Wrap the parts of a step with timers (undone when the stack closes)."""
     runner = engine.worker.model_runner
@@ -116,28 +107,28 @@ def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
         (model, "attention", "attention block (all)"),
         (model, "mlp", "MLP block (all)"),
     ]:
-        stack.enter_context(patched(target, attr, timers.wrap(name, getattr(target, attr))))
-    stack.enter_context(patched(llama_module, "linear", named_linear))
+        stack.enter_context(patch.object(target, attr, timers.wrap(name, getattr(target, attr))))
+    stack.enter_context(patch.object(llama_module, "linear", named_linear))
     fused_call = FusedLinear.__call__
 
     def named_fused(fused, x):  # ch05: q/k/v (3 parts) or gate/up (2) in one product
         name = "linear q/k/v fused" if len(fused.sizes) == 3 else "linear gate/up fused"
         return timers.wrap(name, fused_call)(fused, x)
 
-    stack.enter_context(patched(FusedLinear, "__call__", named_fused))
-    stack.enter_context(patched(llama_module, "rms_norm",
+    stack.enter_context(patch.object(FusedLinear, "__call__", named_fused))
+    stack.enter_context(patch.object(llama_module, "rms_norm",
                                 timers.wrap("RMSNorm", llama_module.rms_norm)))
-    stack.enter_context(patched(llama_module, "paged_attention",
+    stack.enter_context(patch.object(llama_module, "paged_attention",
                                 timers.wrap("attention (all)", llama_module.paged_attention)))
     for attr, name in [("store_kvcache", "attention: store K/V"),
                        ("paged_decode_attention", "attention: decode (all)"),
                        ("paged_prefill_attention", "attention: prefill")]:
-        stack.enter_context(patched(ops, attr, staticmethod(timers.wrap(name, getattr(ops, attr)))))
+        stack.enter_context(patch.object(ops, attr, staticmethod(timers.wrap(name, getattr(ops, attr)))))
     for attr, name in [("gather_kv", "attention: decode gather K/V"),
                        ("gather_slots", "attention: decode slots"),
                        ("gather_blocks", "attention: decode gather K/V blocks")]:
         if hasattr(attention_module, attr):  # gather_blocks: since the ch04 change
-            stack.enter_context(patched(attention_module, attr,
+            stack.enter_context(patch.object(attention_module, attr,
                                         timers.wrap(name, getattr(attention_module, attr))))
     return stack
 
@@ -182,14 +173,14 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
 
     def unfused() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
-        stack.enter_context(patched(model, "qkv", [None] * len(model.qkv)))
-        stack.enter_context(patched(model, "gate_up", [None] * len(model.gate_up)))
+        stack.enter_context(patch.object(model, "qkv", [None] * len(model.qkv)))
+        stack.enter_context(patch.object(model, "gate_up", [None] * len(model.gate_up)))
         return stack
 
     def float32_logits() -> contextlib.ExitStack:
         sampler = runner.sampler
         stack = contextlib.ExitStack()
-        stack.enter_context(patched(runner, "sampler",
+        stack.enter_context(patch.object(runner, "sampler",
                                     lambda logits, states: sampler(logits.float(), states)))
         return stack
 

@@ -57,7 +57,7 @@ from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, IterationStats
 from common.engine.tp_workers import TPWorkers, start_ranks
 from common.engine.worker import build_worker
-from common.layers.sampler import RequestSamplingState, SampledToken
+from common.layers.sampler import RequestSamplingState
 from common.loader import LoadedModel, load_model
 from common.models import check_tensor_parallel
 from common.outputs import FinishReason, RequestOutput
@@ -216,7 +216,7 @@ class LLMEngine:
             if output.finished:
                 del self.sequences[output.request_id]
                 self._count_finished(output.outputs[0].finish_reason)
-        generated = sum(isinstance(t, SampledToken) for t in sampled.values())
+        generated = iteration_stats.num_generation_tokens  # counted as the tokens were timed
         self.stats.generation_tokens += generated
         self.stats.iteration_tokens.observe(prompt_tokens + generated)
         self._update_stats()

@@ -22,9 +22,10 @@ defaults: continuous batching, prefix caching, the demo card unless
 
 It also runs the whole load offline, as the engine alone (no HTTP), for
 output tokens/s to compare with the served figures of `make bench`; and
-puts each of chapter 05's changes (fused products, greedy argmax in the
-logits' dtype) against its previous version, in turn on the same running batch (a before/after pair measured
-in one run, immune to the machine's drift).
+puts each of chapter 05's changes (fused products, the greedy pick, the
+weights packed for oneDNN in bfloat16) against its previous version, in
+turn on the same running batch (a before/after pair measured in one run,
+immune to the machine's drift).
 
 Results: bench/results/DATE-HOST-profile.{json,md} (`--tag` adds a suffix,
 for a before/after pair).
@@ -38,6 +39,7 @@ import argparse
 import collections
 import contextlib
 import datetime
+import functools
 import json
 import socket
 import sys
@@ -46,6 +48,7 @@ from typing import Callable
 from unittest.mock import patch
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench import bf16_words, machine
@@ -54,7 +57,8 @@ from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_qui
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers import attention as attention_module
-from common.layers.fused import FusedLinear
+from common.layers.logits import lm_head
+from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template, load_model
 from common.models import llama as llama_module
 from common.sampling_params import SamplingParams
@@ -109,13 +113,11 @@ def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
     ]:
         stack.enter_context(patch.object(target, attr, timers.wrap(name, getattr(target, attr))))
     stack.enter_context(patch.object(llama_module, "linear", named_linear))
-    fused_call = FusedLinear.__call__
-
-    def named_fused(fused, x):  # ch05: q/k/v (3 parts) or gate/up (2) in one product
-        name = "linear q/k/v fused" if len(fused.sizes) == 3 else "linear gate/up fused"
-        return timers.wrap(name, fused_call)(fused, x)
-
-    stack.enter_context(patch.object(FusedLinear, "__call__", named_fused))
+    # ch05: q/k/v (3 parts) and gate/up (2) in one product each; o_proj, down_proj
+    for attr, name in [("qkv", "linear q/k/v fused"), ("gate_up", "linear gate/up fused"),
+                       ("o_proj", "linear o_proj"), ("down_proj", "linear down_proj")]:
+        gemms = [g and timers.wrap(name, g) for g in getattr(model, attr)]
+        stack.enter_context(patch.object(model, attr, gemms))
     stack.enter_context(patch.object(llama_module, "rms_norm",
                                 timers.wrap("RMSNorm", llama_module.rms_norm)))
     stack.enter_context(patch.object(llama_module, "paged_attention",
@@ -177,15 +179,38 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
         stack.enter_context(patch.object(model, "gate_up", [None] * len(model.gate_up)))
         return stack
 
-    def float32_logits() -> contextlib.ExitStack:
-        sampler = runner.sampler
+    def float32_argmax() -> contextlib.ExitStack:  # the load is plain greedy throughout
+        def argmax_sampler(logits, states):
+            assert all(state.plain_greedy for state in states)
+            return [SampledToken(t) for t in logits.float().argmax(dim=-1).tolist()]
+        return patch.object(runner, "sampler", argmax_sampler)
+
+    def unpacked() -> contextlib.ExitStack:  # F.linear on the plain weights
         stack = contextlib.ExitStack()
-        stack.enter_context(patch.object(runner, "sampler",
-                                    lambda logits, states: sampler(logits.float(), states)))
+        for fused in model.qkv + model.gate_up:
+            if fused is not None:
+                stack.enter_context(patch.object(fused, "gemm", functools.partial(
+                    F.linear, weight=fused.weight, bias=fused.bias)))
+        for attr, proj in [("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj")]:
+            plain = [gemm_for_unpacked(layer.get_submodule(proj)) for layer in model.layers]
+            stack.enter_context(patch.object(model, attr, plain))
+        stack.enter_context(patch.object(model, "lm_head", functools.partial(
+            lm_head, weight=model.hf.lm_head.weight)))
         return stack
 
-    return {"fused q/k/v and gate/up products": unfused,
-            "greedy argmax in the logits' dtype": float32_logits}
+    changes = {"fused q/k/v and gate/up products": unfused,
+               "greedy pick: max(...).indices in the logits' dtype, not argmax in float32":
+                   float32_argmax}
+    if model.packed_bytes:  # bfloat16 on a CPU with oneDNN's bfloat16
+        changes["weights packed for oneDNN"] = unpacked
+    return changes
+
+
+def gemm_for_unpacked(module: torch.nn.Module):
+    """F.linear on the module's plain weight (or the quantized module itself)."""
+    if type(module) is torch.nn.Linear:
+        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+    return module
 
 
 def now_vs_before(engine: LLMEngine, rounds: int, steps: int) -> list[dict]:

@@ -180,9 +180,10 @@ class Card:
         finally:
             self._release(nbytes)
 
-    def charge_weights(self, model: torch.nn.Module) -> int:
-        """Book the model's weights against the card (they live there too)."""
-        nbytes = weight_bytes(model)
+    def charge_weights(self, model: torch.nn.Module, packed_bytes: int = 0) -> int:
+        """Book the model's weights against the card (they live there too),
+        with `packed_bytes` of packed copies (ch05: common/layers/cpu_gemm.py)."""
+        nbytes = weight_bytes(model) + packed_bytes
         if self.simulated:
             self._charge(nbytes, "model weights")
         return nbytes

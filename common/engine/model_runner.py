@@ -29,7 +29,6 @@ from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.attention import AttentionMetadata
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed
-from common.models import build_forward
 
 
 @dataclass
@@ -59,15 +58,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, kv_cache: KVCache, attention_ops=None, tp=None, workers=None):
-        """`tp`, `workers` (ch06): this rank's TPGroup, and on rank 0 the
-        other ranks (tp_workers.TPWorkers), which run every step too."""
-        self.model = build_forward(hf_model, attention_ops, tp)
+    def __init__(self, model, kv_cache: KVCache, workers=None):
+        """`model`: the forward pass (common.models.build_forward), on this
+        rank's share of the weights. `workers` (ch06): on rank 0 the other
+        ranks (tp_workers.TPWorkers), which run every step too."""
+        self.model = model
         self.workers = workers
         self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
-        self.device = next(hf_model.parameters()).device
+        self.device = next(model.hf.parameters()).device
         self.sampler = Sampler()
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:

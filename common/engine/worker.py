@@ -44,7 +44,7 @@ from common.layers.parallel import (
 from common.layers.quantization import CpuPackedQuantOps, QuantScheme, quantize_linears
 from common.loader import LoadedModel, load_model, pick_device
 from common.memory import Card, format_bytes
-from common.models import quantizable_linears, shard_for_rank
+from common.models import build_forward, quantizable_linears, shard_for_rank
 
 log = logging.getLogger("llm-course")
 STOP = "stop"  # what rank 0 sends a worker process to end it (ch06)
@@ -145,10 +145,13 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
                          quant_ops or quant_ops_for(device))
     if world_size > 1:
         shard_for_rank(model, rank, world_size)  # ch06: keep this rank's share, in place
+    forward = build_forward(model, attention_ops, tp)
     card = Card(device, config.device_memory_gb, config.gpu_memory_utilization)
-    weight_bytes = card.charge_weights(model)
-    log.info("weights: %s (%s)", format_bytes(weight_bytes),
-             config.quantization or str(loaded.dtype).removeprefix("torch."))
+    weight_bytes = card.charge_weights(model, forward.packed_bytes)
+    log.info("weights: %s (%s%s)", format_bytes(weight_bytes),
+             config.quantization or str(loaded.dtype).removeprefix("torch."),
+             f", {format_bytes(forward.packed_bytes)} of them packed copies for oneDNN"
+             if forward.packed_bytes else "")  # ch05: common/layers/cpu_gemm.py
     room = num_blocks
     if room is None:
         room, line = num_blocks_for_card(card, model, block_size,
@@ -156,7 +159,7 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
         log.info(line)
     num_blocks = tp.min_over_ranks(room)  # ch06: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
-    runner = ModelRunner(model, kv_cache, attention_ops, tp, workers)
+    runner = ModelRunner(forward, kv_cache, workers)
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
             and world_size == 1:  # ch05: graphs need the Triton kernels, and one rank
         runner.capture_decode_graphs(config.max_num_seqs,

@@ -18,11 +18,12 @@ each), fusing across layers, fusing the elementwise work around them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from common.layers.cpu_gemm import Gemm, dense_gemm
 
 
 @dataclass
@@ -31,10 +32,14 @@ class FusedLinear:
     weight: torch.Tensor  # (sum of their out_features, in_features)
     bias: torch.Tensor | None  # (sum of their out_features,), or None
     sizes: list[int]  # each linear's out_features, in order
+    gemm: Gemm = field(init=False)  # the product: F.linear, or packed (cpu_gemm.py)
+
+    def __post_init__(self):
+        self.gemm = dense_gemm(self.weight, self.bias)  # ch05: packed in bf16 on a CPU
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (T, in_features) -> one (T, size) output per linear (views)."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.gemm(x).split(self.sizes, dim=-1)
 
     def holds(self, linears: list[nn.Module]) -> bool:
         """Are these linears' weights still views of this fused weight?"""

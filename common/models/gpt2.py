@@ -36,6 +36,7 @@ class GPT2Forward:
         self.head_dim = cfg.n_embd // cfg.n_head
         self.eps = cfg.layer_norm_epsilon
         self.scale = self.head_dim ** -0.5
+        self.packed_bytes = 0  # GPT-2 keeps its own products (Conv1D): none packed
 
     def layer_norm(self, x: torch.Tensor, ln) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, self.eps)

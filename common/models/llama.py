@@ -18,7 +18,9 @@ LM head with a gather on rank 0. With one rank nothing of that runs.
 
 ch05: q/k/v and gate/up are each one matrix product (common/layers/fused.py,
 as vLLM's QKVParallelLinear and MergedColumnParallelLinear), except for
-quantized layers (ch06), which keep one product per projection.
+quantized layers (ch06), which keep one product per projection. In
+bfloat16 on a CPU every product multiplies by a weight packed once for
+oneDNN (common/layers/cpu_gemm.py).
 
 Left out: Mistral's sliding window (attention sees the whole context).
 """
@@ -40,8 +42,9 @@ from common.layers.parallel import (
     vocab_parallel_embedding,
     vocab_shard,
 )
+from common.layers.cpu_gemm import Gemm, gemm_for, packed_bytes
 from common.layers.fused import FusedLinear, fuse_linears
-from common.layers.logits import lm_head
+from common.layers.logits import lm_head_gemm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,10 +87,16 @@ class LlamaForward:
         self.inv_freq = rotary.inv_freq  # (head_dim / 2,)
         self.attention_scaling = getattr(rotary, "attention_scaling", 1.0)
         # ch05: one product for q/k/v and one for gate/up (None: quantized, one each)
-        self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj,
+        self.qkv: list[FusedLinear | None] = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj,
                                   layer.self_attn.v_proj]) for layer in self.layers]
-        self.gate_up = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.gate_up: list[FusedLinear | None] = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
                         for layer in self.layers]
+        # ch05: the other products, packed in bfloat16 on a CPU (cpu_gemm.py)
+        self.o_proj: list[Gemm] = [gemm_for(layer.self_attn.o_proj) for layer in self.layers]
+        self.down_proj: list[Gemm] = [gemm_for(layer.mlp.down_proj) for layer in self.layers]
+        self.lm_head: Gemm = lm_head_gemm(hf_model.lm_head.weight)
+        self.packed_bytes = packed_bytes([*(f.gemm for f in self.qkv + self.gate_up if f),
+                                          *self.o_proj, *self.down_proj, self.lm_head])
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # (T, D/2)
@@ -96,9 +105,9 @@ class LlamaForward:
         sin = (angles.sin() * self.attention_scaling).to(dtype)[:, None, :]
         return cos, sin
 
-    def attention(self, layer, qkv: FusedLinear | None, x, cos, sin, k_cache, v_cache,
-                  meta: AttentionMetadata):
-        attn = layer.self_attn
+    def attention(self, i: int, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """Layer i's attention block, x: (T, hidden) -> (T, hidden)."""
+        attn, qkv = self.layers[i].self_attn, self.qkv[i]
         num_tokens = x.shape[0]
         if qkv is not None:  # ch05: one product, split in three (views)
             q, k, v = qkv(x)
@@ -111,16 +120,17 @@ class LlamaForward:
         k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                               self.attention_ops)  # (T, H, D)
-        out = linear(out.reshape(num_tokens, -1), attn.o_proj)  # (T, hidden)
+        out = self.o_proj[i](out.reshape(num_tokens, -1))  # (T, hidden)
         return self.tp.all_reduce(out)  # ch06: sum the ranks' partial outputs
 
-    def mlp(self, layer, gate_up: FusedLinear | None, x):
-        mlp = layer.mlp
+    def mlp(self, i: int, x):
+        """Layer i's MLP block, x: (T, hidden) -> (T, hidden)."""
+        mlp, gate_up = self.layers[i].mlp, self.gate_up[i]
         if gate_up is not None:  # ch05: one product, split in two
             gate, up = gate_up(x)
         else:  # ch06: quantized
             gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
-        out = linear(self.act(gate) * up, mlp.down_proj)
+        out = self.down_proj[i](self.act(gate) * up)
         return self.tp.all_reduce(out)  # ch06: (T, hidden), summed over the ranks
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -139,9 +149,9 @@ class LlamaForward:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
             x = rms_norm(h, layer.input_layernorm.weight, self.eps)
-            h = h + self.attention(layer, self.qkv[i], x, cos, sin, k_cache, v_cache, meta)
+            h = h + self.attention(i, x, cos, sin, k_cache, v_cache, meta)
             x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            h = h + self.mlp(layer, self.gate_up[i], x)
+            h = h + self.mlp(i, x)
         return rms_norm(h, self.hf.model.norm.weight, self.eps)
 
     @torch.no_grad()
@@ -150,7 +160,7 @@ class LlamaForward:
         N is the number of sequences that sample this step, not of tokens.
         ch06: with N ranks each computes (N, vocab/N); rank 0 gets them all,
         the other ranks get None."""
-        logits = lm_head(hidden, self.hf.lm_head.weight)
+        logits = self.lm_head(hidden)  # (N, vocab)
         return self.tp.gather_vocab(logits, self.vocab_size)  # ch06 (a no-op on one rank)
 
 

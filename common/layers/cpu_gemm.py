@@ -1,0 +1,76 @@
+"""bfloat16 matrix products on the CPU with each weight packed once (ch05).
+
+In bfloat16 on a CPU, `F.linear` calls oneDNN with the weight in its plain
+row-major layout, and oneDNN rearranges it for its kernels (AMX tiles,
+AVX-512 blocks) on every call. Rearranged once, when the engine starts,
+the products of a decode step go about 1.5x faster at 64 rows
+(bench/results/*-profile.md). vLLM's CPU backend does the same
+(`dispatch_cpu_unquantized_gemm`, its `onednn_mm` op), and so does
+torch.compile's weight freezing on the CPU: here through the same two
+PyTorch ops, `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise`.
+
+The numbers are F.linear's, bit for bit (tests/test_cpu_gemm.py): the same
+oneDNN kernels, minus the rearranging.
+
+`gemm_for(module)` returns what the forward pass calls for one linear:
+a `PackedLinear` (bfloat16 on a CPU whose oneDNN supports it), `F.linear`
+on the module's weight (float32, CUDA), or the module itself (ch06: a
+quantized linear multiplies by its own quantized weight).
+
+Left out: float32 (packing it measured no faster), float16, quantized
+weights, and freeing the plain weight once packed (vLLM does; here HF's
+modules stay whole, the tests' reference, and the card is charged for the
+packed copy: `packed_bytes`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]  # x (T, in_features) -> (T, out_features)
+
+
+def packs_weights(weight: torch.Tensor) -> bool:
+    """Does this weight go faster packed? bfloat16, on a CPU with oneDNN's bfloat16."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear:
+    """x @ weight.T + bias through oneDNN, with the weight rearranged once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        # An opaque oneDNN tensor: only mkldnn._linear_pointwise reads it.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach()  # (out_features,)
+        self.nbytes = weight.numel() * weight.element_size()  # the copy's size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features) -> (T, out_features)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def dense_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Gemm:
+    """The product with this weight: packed where that pays, else F.linear."""
+    if packs_weights(weight):  # ch05
+        return PackedLinear(weight, bias)
+    return functools.partial(F.linear, weight=weight, bias=bias)
+
+
+def gemm_for(module: nn.Module) -> Gemm:
+    """What the forward pass calls for this linear layer: its product,
+    packed or not, or the module itself when it is not a plain nn.Linear
+    (ch06: QuantLinear, common/layers/quantization.py)."""
+    if type(module) is nn.Linear:
+        return dense_gemm(module.weight, module.bias)
+    return module
+
+
+def packed_bytes(gemms: list) -> int:
+    """Bytes of the packed copies among these products (charged to the card)."""
+    return sum(g.nbytes for g in gemms if isinstance(g, PackedLinear))

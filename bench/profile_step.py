@@ -22,8 +22,9 @@ defaults: continuous batching, prefix caching, the demo card unless
 
 It also runs the whole load offline, as the engine alone (no HTTP), for
 output tokens/s to compare with the served figures of `make bench`; and
-puts each of chapter 05's changes (fused products, the greedy pick, the
-weights packed for oneDNN in bfloat16) against its previous version, in
+puts each change of issue 22 (ch05: fused products, the greedy pick, the
+weights packed for oneDNN in bfloat16; ch04: decode attention in C++)
+against its previous version, in
 turn on the same running batch (a before/after pair measured in one run,
 immune to the machine's drift).
 
@@ -57,6 +58,8 @@ from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_qui
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers import attention as attention_module
+from common.layers.attention import TorchOps
+from common.layers.cpu_attention import CpuOps
 from common.layers.logits import lm_head
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template, load_model
@@ -203,6 +206,9 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
                    float32_argmax}
     if model.packed_bytes:  # bfloat16 on a CPU with oneDNN's bfloat16
         changes["weights packed for oneDNN"] = unpacked
+    if model.attention_ops is CpuOps:  # ch04: the reference's gather and masked SDPA
+        changes["decode attention in C++, in place (ch04)"] = lambda: patch.object(
+            model, "attention_ops", TorchOps)
     return changes
 
 
@@ -229,6 +235,22 @@ def now_vs_before(engine: LLMEngine, rounds: int, steps: int) -> list[dict]:
         medians = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         rows.append({"change": change, "before_ms": medians["before"], "now_ms": medians["now"],
                      "speedup": medians["before"] / medians["now"]})
+    return rows
+
+
+def now_vs_before_on_a_full_batch(engine: LLMEngine, prompts: list[list[int]], rounds: int,
+                                  steps: int) -> list[dict]:
+    """`now_vs_before` on a fresh load long enough that every sequence is
+    still decoding at its last step; then the load runs out."""
+    ab_steps = len(previous_versions(engine)) * rounds * 2 * steps
+    start_load(engine, prompts, max_tokens=ab_steps + 8)
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.scheduler.running):
+        engine.step()  # the prefills
+    rows = now_vs_before(engine, rounds, steps)
+    assert len(engine.scheduler.running) == len(prompts), "a sequence finished during the A/B"
+    while engine.has_unfinished_requests():
+        engine.step()
     return rows
 
 
@@ -293,10 +315,9 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
             engine.step()
     table = [(e.key, e.self_cpu_time_total / 1e3 / min(steps, 4), e.count // min(steps, 4))
              for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
-    ab = now_vs_before(engine, rounds, steps=2) if len(engine.scheduler.running) == seqs \
-        else None
     while engine.has_unfinished_requests():
         engine.step()
+    ab = now_vs_before_on_a_full_batch(engine, prompts, rounds, steps=2)
     step_flops = seqs * flops_per_token(loaded.model, sum(contexts) // len(contexts))
     roofline = gemm_roofline(loaded.model.dtype)
     return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps, "ab": ab,
@@ -334,7 +355,7 @@ def markdown(rec: dict) -> str:
                   f"{r['roofline_gflop_s']:.0f} | {100 * r['gflop_s'] / r['roofline_gflop_s']:.0f} |"
                   for r in rec["runs"]]
     if any(r.get("ab") for r in rec["runs"]):
-        lines += ["", "Each change of chapter 05 against its previous version, in turn on the "
+        lines += ["", "Each change of issue 22 against its previous version, in turn on the "
                   "same running batch (median ms per decode step):", "",
                   "| dtype | seqs | change | before | now | speed-up |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['dtype']} | {r['seqs']} | {ab['change']} | {ab['before_ms']:.1f} | "

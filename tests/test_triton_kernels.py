@@ -45,6 +45,7 @@ if not ON_CUDA:
 
 from common.layers import attention as reference  # noqa: E402
 from common.layers import triton_kernels  # noqa: E402
+from common.layers.attention_selector import attention_ops_for  # noqa: E402
 
 pytestmark = pytest.mark.ch04
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -268,7 +269,7 @@ def test_paged_attention_dispatches_to_triton_on_cuda():
 
     k32, v32 = k_cache.float(), v_cache.float()  # the reference's copy, before the store
     out = reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale,
-                                    reference.attention_ops_for(query.device))
+                                    attention_ops_for(query.device))
 
     reference.store_kvcache(key.float(), value.float(), k32, v32, meta.slot_mapping)
     assert torch.equal(k_cache.float(), k32) and torch.equal(v_cache.float(), v32)

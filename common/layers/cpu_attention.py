@@ -12,10 +12,9 @@ the weighted sum of the cached values, all in float32, each K and V row read
 once through the block table. About 3x faster than the reference at 64
 sequences of 50 tokens in bfloat16 (bench/results/*-profile.md).
 
-PyTorch compiles it on first use (torch.utils.cpp_extension: g++, about
-30 s; `make setup` does it once) and caches the library under
-~/.cache/torch_extensions. Where it cannot be built, `cpu_attention_ops`
-says why and the engine runs the PyTorch reference.
+PyTorch compiles it on first use (common/layers/cpp_extensions.py; `make
+setup` does it once). Where it cannot be built, `cpu_attention_ops` says why
+and the engine runs the PyTorch reference.
 
 The reference stays the specification: tests/test_cpu_attention.py checks
 the kernel against it (float32 and bfloat16, grouped and not, blocks of 1 to
@@ -29,24 +28,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
+from common.layers import cpp_extensions
 from common.layers.attention import TorchOps
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-# -fopenmp: at::parallel_for spreads the (sequence, KV head) pairs over
-# torch's threads. -ffast-math (compile only, not at link): lets the
-# compiler reorder the float sums over head_dim and vectorize exp.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-@functools.cache
 def build_extension():
-    """Compile (or load the cached) C++ kernel; returns the Python module."""
-    from torch.utils.cpp_extension import load
-    return load(name="course_paged_attention_cpu", sources=[str(SOURCE)],
-                extra_cflags=CFLAGS, verbose=False)
+    """The compiled kernel's Python module (built on first use)."""
+    return cpp_extensions.build("paged_attention_cpu")
 
 
 class CpuOps(TorchOps):
@@ -66,6 +57,6 @@ def cpu_attention_ops() -> type[TorchOps]:
         build_extension()
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the reference runs
         log.warning("decode attention: the PyTorch reference (the C++ kernel did not "
-                    "build: %s)", str(exc).strip().splitlines()[-1] if str(exc) else exc)
+                    "build: %s)", cpp_extensions.last_line(exc))
         return TorchOps
     return CpuOps

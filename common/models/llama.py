@@ -43,20 +43,9 @@ from common.layers.parallel import (
     vocab_shard,
 )
 from common.layers.cpu_gemm import Gemm, gemm_for, packed_bytes
+from common.layers.elementwise import elementwise_ops_for
 from common.layers.fused import FusedLinear, fuse_linears
 from common.layers.logits import lm_head_gemm
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As HF computes it: in float32, then back to the input dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
@@ -95,14 +84,19 @@ class LlamaForward:
         self.o_proj: list[Gemm] = [gemm_for(layer.self_attn.o_proj) for layer in self.layers]
         self.down_proj: list[Gemm] = [gemm_for(layer.mlp.down_proj) for layer in self.layers]
         self.lm_head: Gemm = lm_head_gemm(hf_model.lm_head.weight)
+        # The norm after each layer's MLP: the next layer's input norm, or the final one.
+        self.next_norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + \
+            [hf_model.model.norm.weight]
+        self.elementwise = elementwise_ops_for(hf_model.device)  # ch05: C++ on the CPU
         self.packed_bytes = packed_bytes([*(f.gemm for f in self.qkv + self.gate_up if f),
                                           *self.o_proj, *self.down_proj, self.lm_head])
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin of each token's angles, (T, D) each, once per step."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # (T, D/2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        cos = (angles.cos() * self.attention_scaling).to(dtype)[:, None, :]  # (T, 1, D)
-        sin = (angles.sin() * self.attention_scaling).to(dtype)[:, None, :]
+        cos = (angles.cos() * self.attention_scaling).to(dtype)  # (T, D)
+        sin = (angles.sin() * self.attention_scaling).to(dtype)
         return cos, sin
 
     def attention(self, i: int, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
@@ -116,8 +110,8 @@ class LlamaForward:
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin  # (T, H, D)
-        k = k * cos + rotate_half(k) * sin  # (T, H_kv, D)
+        q = self.elementwise.rotary(q, cos, sin)  # (T, H, D)
+        k = self.elementwise.rotary(k, cos, sin)  # (T, H_kv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                               self.attention_ops)  # (T, H, D)
         out = self.o_proj[i](out.reshape(num_tokens, -1))  # (T, hidden)
@@ -144,15 +138,18 @@ class LlamaForward:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (num_tokens,). Returns hidden states (num_tokens, hidden)."""
-        h = self.embed(input_ids)  # (T, hidden)
+        h = self.embed(input_ids)  # (T, hidden): the residual stream
         cos, sin = self.rotary(positions, h.dtype)
+        ops = self.elementwise
+        x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, self.eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
-            x = rms_norm(h, layer.input_layernorm.weight, self.eps)
-            h = h + self.attention(i, x, cos, sin, k_cache, v_cache, meta)
-            x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            h = h + self.mlp(i, x)
-        return rms_norm(h, self.hf.model.norm.weight, self.eps)
+            x = self.attention(i, x, cos, sin, k_cache, v_cache, meta)
+            # h = h + x, then x = norm(h): one call (ch05: one pass in C++)
+            x, h = ops.add_rms_norm(x, h, layer.post_attention_layernorm.weight, self.eps)
+            x = self.mlp(i, x)
+            x, h = ops.add_rms_norm(x, h, self.next_norms[i], self.eps)
+        return x  # the last layer's "next norm" is the model's final norm
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

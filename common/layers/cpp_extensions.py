@@ -1,0 +1,50 @@
+"""Our C++ kernels for the CPU (ch04-05), compiled on first use.
+
+Each is one file in common/layers/csrc/ that PyTorch compiles into a Python
+module (torch.utils.cpp_extension.load: g++ and PyTorch's headers, about
+30 s a file on two cores) and caches under ~/.cache/torch_extensions, so
+later processes only load it. `make setup` builds them all once.
+
+- paged_attention_cpu: decode attention reading the paged cache in place
+  (common/layers/cpu_attention.py);
+- fused_ops_cpu: RMSNorm with the residual add, the rotary embedding
+  (common/layers/elementwise.py).
+
+Left out: building ahead of time as a wheel (vLLM's setup.py does), other
+architectures' flags.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+# -O3 -march=native: this CPU's vector instructions; -fopenmp: at::parallel_for
+# spreads the rows over torch's intra-op threads.
+COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp")
+FLAGS = {
+    # -ffast-math (compile only, not at link): the float sums over head_dim
+    # may be reordered, and exp vectorized.
+    "paged_attention_cpu": COMMON_FLAGS + ("-ffast-math",),
+    # -ffp-contract=off: no fused multiply-add, PyTorch's roundings exactly.
+    "fused_ops_cpu": COMMON_FLAGS + ("-ffp-contract=off",),
+}
+
+
+@functools.cache
+def build(name: str):
+    """Compile (or load the cached) csrc/NAME.cpp; returns its Python module."""
+    from torch.utils.cpp_extension import load
+    return load(name=f"course_{name}", sources=[str(CSRC / f"{name}.cpp")],
+                extra_cflags=list(FLAGS[name]), verbose=False)
+
+
+def build_all() -> list[str]:
+    """Every extension (`make setup`); returns where they are."""
+    return [build(name).__file__ for name in FLAGS]
+
+
+def last_line(exc: Exception) -> str:
+    """A build error's last line (the compiler's output comes before it)."""
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

@@ -83,3 +83,4 @@ def test_the_cpu_gets_the_kernels_or_the_reference_when_they_do_not_build(monkey
         assert elementwise.cpu_elementwise_ops() is TorchElementwise
     finally:
         elementwise.cpu_elementwise_ops.cache_clear()
+

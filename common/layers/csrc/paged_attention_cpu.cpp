@@ -33,19 +33,11 @@ namespace {
 
 constexpr int64_t kTile = 32;  // tokens per tile, at most (fewer at a block's end)
 
-// n cached values to float32.
+// One value to float32. bfloat16 is float32's upper 16 bits: a shift,
+// written on the bits so that the compiler vectorizes the loops around it.
 template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bfloat16 is float32's upper 16 bits: a shift, which the compiler vectorizes.
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, uint32_t(bits[i]) << 16);
-}
+inline float f32(scalar_t x) { return static_cast<float>(x); }
+inline float f32(c10::BFloat16 x) { return __builtin_bit_cast(float, uint32_t(x.x) << 16); }
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -58,17 +50,17 @@ struct Shape {
 template <typename scalar_t, int64_t kHeadDim>
 struct DecodeOne {
   const Shape& shape;
-  std::vector<float> q, acc, rows, scores, running_max, total;
+  std::vector<float> q, acc, scores, running_max, total;
 
   explicit DecodeOne(const Shape& s)
       : shape(s), q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim),
-        rows(kTile * s.row()), scores(s.num_heads * kTile), running_max(s.num_heads),
+        scores(s.num_heads * kTile), running_max(s.num_heads),
         total(s.num_heads) {}
 
   void run(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
            const int32_t* blocks, int64_t context_len, float scale, scalar_t* out) {
     const int64_t H = shape.num_heads, D = shape.head_dim, bs = shape.block_size;
-    to_float(query, q.data(), H * D);
+    for (int64_t i = 0; i < H * D; ++i) q[i] = f32(query[i]);
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
     std::fill(total.begin(), total.end(), 0.f);
@@ -87,10 +79,8 @@ struct DecodeOne {
           __builtin_prefetch(nv + byte);
         }
       }
-      to_float(k_cache + slot * shape.row(), rows.data(), n * shape.row());
-      for (int64_t h = 0; h < H; ++h) score_tile(h, n, scale);
-      to_float(v_cache + slot * shape.row(), rows.data(), n * shape.row());
-      for (int64_t h = 0; h < H; ++h) add_values(h, n);
+      for (int64_t h = 0; h < H; ++h) score_tile(k_cache + slot * shape.row(), h, n, scale);
+      for (int64_t h = 0; h < H; ++h) add_values(v_cache + slot * shape.row(), h, n);
       start += n;
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -101,15 +91,15 @@ struct DecodeOne {
   }
 
   // Steps 1-2 for query head h: scores[h][i] = exp(q_h . k_i * scale - max).
-  void score_tile(int64_t h, int64_t n, float scale) {
+  void score_tile(const scalar_t* tile, int64_t h, int64_t n, float scale) {
     const int64_t D = kHeadDim ? kHeadDim : shape.head_dim;
     const float* __restrict__ qh = &q[h * D];
-    const float* __restrict__ k = &rows[(h / shape.group()) * D];  // this head's KV head, token 0
+    const scalar_t* __restrict__ k = tile + (h / shape.group()) * D;  // this head's KV head, token 0
     float* __restrict__ s = &scores[h * kTile];
     for (int64_t i = 0; i < n; ++i) {
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[i * shape.row() + d];
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * f32(k[i * shape.row() + d]);
       s[i] = dot * scale;
     }
     const float tile_max = *std::max_element(s, s + n);
@@ -128,14 +118,14 @@ struct DecodeOne {
   }
 
   // Step 3 for query head h: acc_h += sum_i scores[h][i] * v_i.
-  void add_values(int64_t h, int64_t n) {
+  void add_values(const scalar_t* tile, int64_t h, int64_t n) {
     const int64_t D = kHeadDim ? kHeadDim : shape.head_dim;
-    const float* __restrict__ v = &rows[(h / shape.group()) * D];
+    const scalar_t* __restrict__ v = tile + (h / shape.group()) * D;
     const float* __restrict__ s = &scores[h * kTile];
     float* __restrict__ a = &acc[h * D];
     for (int64_t i = 0; i < n; ++i) {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += s[i] * v[i * shape.row() + d];
+      for (int64_t d = 0; d < D; ++d) a[d] += s[i] * f32(v[i * shape.row() + d]);
     }
   }
 };

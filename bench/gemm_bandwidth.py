@@ -80,11 +80,15 @@ def mkl_packed_rows(packed_for: int = 64) -> list[dict]:
                if name != "LM head"]
     packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, packed_for) for w in weights]
     rows = []
-    for m in (32, 48, 64):
+    for m in (16, 32, 48, 64):
         inputs = {n: torch.randn(m, n) for n in (576, 1536)}
-        plain = seconds_per_call(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], 3)
-        mkl = seconds_per_call(lambda: [torch.ops.mkl._mkl_linear(
-            inputs[w.shape[1]], p, w, None, packed_for) for w, p in zip(weights, packed)], 3)
+        times: dict[str, list[float]] = {"plain": [], "mkl": []}
+        for _ in range(7):  # in turn, medians: this machine drifts between seconds
+            times["plain"].append(seconds_per_call(
+                lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], 2))
+            times["mkl"].append(seconds_per_call(lambda: [torch.ops.mkl._mkl_linear(
+                inputs[w.shape[1]], p, w, None, packed_for) for w, p in zip(weights, packed)], 2))
+        plain, mkl = (sorted(t)[len(t) // 2] for t in (times["plain"], times["mkl"]))
         rows.append({"rows": m, "packed_for": packed_for, "f_linear_ms": plain * 1e3,
                      "mkl_packed_ms": mkl * 1e3, "speedup": plain / mkl})
     return rows
@@ -94,7 +98,8 @@ def markdown(rec: dict) -> str:
     m = rec["machine"]
     lines = ["# Decode-step products: bytes, not FLOPs", "",
              f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
-             f"torch {m['torch']}; {torch.get_num_threads()} threads.",
+             f"torch {m['torch']}; {torch.get_num_threads()} threads; "
+             f"{rec['minutes'] * 60:.0f} s.",
              f"Command: `{rec['command']}`.", "",
              f"Reading memory (a sum over 256 MiB of float32): **{rec['read_gb_s']:.1f} GB/s**.",
              "", "Each product of a decoder layer as a decode step runs it, cold (30 copies "
@@ -107,7 +112,7 @@ def markdown(rec: dict) -> str:
               for r in rec["products"]]
     if rec.get("mkl"):
         lines += ["", "float32, the 30 layers' products: MKL's packed GEMM (packed for "
-                  f"{rec['mkl'][0]['packed_for']} rows) against F.linear:", "",
+                  f"{rec['mkl'][0]['packed_for']} rows) against F.linear, in turn, medians of 7:", "",
                   "| rows | F.linear ms | MKL packed ms | speed-up |", "|---|---|---|---|"]
         lines += [f"| {r['rows']} | {r['f_linear_ms']:.1f} | {r['mkl_packed_ms']:.1f} | "
                   f"{r['speedup']:.2f}x |" for r in rec["mkl"]]

@@ -528,6 +528,18 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
 
 
 # -------------------------------------------------------------- the record
+def write_results(out_dir: Path, kind: str, rec: dict, markdown_text: str) -> Path:
+    """bench/results/DATE-HOST-KIND.{json,md}: the record and its table,
+    printed too. Returns the path without its suffix."""
+    stem = out_dir / f"{datetime.date.today()}-{socket.gethostname()}-{kind}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=1))
+    stem.with_suffix(".md").write_text(markdown_text)
+    print(markdown_text)
+    print(f"wrote {stem}.json and .md")
+    return stem
+
+
 def machine(with_vllm: bool = False) -> dict:
     """The machine, its bf16 support, the library versions; with_vllm: also the
     real vLLM's version (a subprocess that imports it: only for runs that use it)."""

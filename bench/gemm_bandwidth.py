@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.bench import bf16_words, machine
+from bench.bench import bf16_words, machine, write_results
 from common.layers.cpu_gemm import PackedLinear, packs_weights
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV heads of 64, vocabulary 49,152
@@ -133,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
            "read_gb_s": read_bandwidth_gb_s(), "products": products,
            "mkl": mkl_packed_rows() if torch.backends.mkl.is_available() else None,
            "minutes": (time.perf_counter() - begin) / 60}
-    stem = f"{datetime.date.today().isoformat()}-{socket.gethostname().split('.')[0]}-gemm-bandwidth"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(rec, indent=1))
-    (args.out_dir / f"{stem}.md").write_text(markdown(rec))
-    print(markdown(rec))
-    print(f"wrote {args.out_dir / stem}.json and .md")
+    write_results(args.out_dir, "gemm-bandwidth", rec, markdown(rec))
     return 0
 
 

@@ -42,8 +42,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import json
-import socket
 import sys
 import time
 from typing import Callable
@@ -53,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench.bench import bf16_words, machine
+from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import prompt_messages
 from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
 from common.config import EngineConfig
@@ -413,11 +411,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python -m bench.profile_step",
                                 *(sys.argv[1:] if argv is None else argv)]),
            "minutes": (time.perf_counter() - start) / 60, "runs": runs}
-    stem = f"{datetime.date.today()}-{socket.gethostname()}-profile{'-' + args.tag if args.tag else ''}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(rec, indent=1))
-    (args.out_dir / f"{stem}.md").write_text(markdown(rec))
-    print(markdown(rec))
+    write_results(args.out_dir, f"profile{'-' + args.tag if args.tag else ''}", rec, markdown(rec))
     return 0
 
 

@@ -16,8 +16,10 @@ architectures' flags.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # -O3 -march=native: this CPU's vector instructions; -fopenmp: at::parallel_for
 # spreads the rows over torch's intra-op threads.
@@ -44,7 +46,14 @@ def build_all() -> list[str]:
     return [build(name).__file__ for name in FLAGS]
 
 
-def last_line(exc: Exception) -> str:
-    """A build error's last line (the compiler's output comes before it)."""
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
+def kernels_or_reference(build_kernels, kernels: type, reference: type, what: str) -> type:
+    """`kernels` where `build_kernels()` succeeds; else `reference`, with a
+    warning that says why (no compiler, no headers...)."""
+    try:
+        build_kernels()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the build, the reference runs
+        text = str(exc).strip()  # the compiler's output, then the error on the last line
+        log.warning("%s: the PyTorch reference (the C++ kernels did not build: %s)", what,
+                    text.splitlines()[-1] if text else type(exc).__name__)
+        return reference
+    return kernels

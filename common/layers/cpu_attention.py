@@ -27,12 +27,9 @@ head_dim), splitting one long context over several threads.
 from __future__ import annotations
 
 import functools
-import logging
 
 from common.layers import cpp_extensions
 from common.layers.attention import TorchOps
-
-log = logging.getLogger(__name__)
 
 
 def build_extension():
@@ -53,10 +50,5 @@ class CpuOps(TorchOps):
 @functools.cache
 def cpu_attention_ops() -> type[TorchOps]:
     """CpuOps where the kernel builds; else the PyTorch reference, said once."""
-    try:
-        build_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the reference runs
-        log.warning("decode attention: the PyTorch reference (the C++ kernel did not "
-                    "build: %s)", cpp_extensions.last_line(exc))
-        return TorchOps
-    return CpuOps
+    return cpp_extensions.kernels_or_reference(build_extension, CpuOps, TorchOps,
+                                               "decode attention")

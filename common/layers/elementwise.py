@@ -25,13 +25,10 @@ LayerNorm (GPT-2 keeps F.layer_norm).
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from common.layers import cpp_extensions
-
-log = logging.getLogger(__name__)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +85,8 @@ class CpuElementwise(TorchElementwise):
 @functools.cache
 def cpu_elementwise_ops() -> type[TorchElementwise]:
     """CpuElementwise where the kernels build; else the reference, said once."""
-    try:
-        build_extension()
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the reference runs
-        log.warning("norms and rotary: the PyTorch reference (the C++ kernels did not "
-                    "build: %s)", cpp_extensions.last_line(exc))
-        return TorchElementwise
-    return CpuElementwise
+    return cpp_extensions.kernels_or_reference(build_extension, CpuElementwise,
+                                               TorchElementwise, "norms and rotary")
 
 
 def elementwise_ops_for(device: torch.device) -> type[TorchElementwise]:

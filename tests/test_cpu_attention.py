@@ -94,3 +94,18 @@ def test_engine_through_the_kernel_gives_hf_greedy_tokens(embedded):
     done = run_all(engine, prompts, greedy(32))
     for request_id, ids in prompts.items():
         assert done[request_id].token_ids == hf_greedy(embedded.model, ids, 32)
+
+
+def test_pip_ninja_is_found_without_an_activated_venv(monkeypatch, tmp_path):
+    """A PATH without ninja (the venv not activated, no system ninja):
+    the one beside this Python goes first on PATH."""
+    import os
+    import sysconfig
+
+    from common.layers import cpp_extensions
+    scripts = sysconfig.get_path("scripts")
+    if not os.path.exists(os.path.join(scripts, "ninja")):
+        pytest.skip("ninja is not pip-installed beside this Python (make setup installs it)")
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    cpp_extensions.ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == scripts

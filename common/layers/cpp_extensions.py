@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import sysconfig
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -33,10 +36,20 @@ FLAGS = {
 }
 
 
+def ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs `ninja` from PATH: where there is
+    none, the one pip installed beside this Python (requirements.txt) is put
+    first on PATH, as activating the venv would."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def build(name: str):
     """Compile (or load the cached) csrc/NAME.cpp; returns its Python module."""
     from torch.utils.cpp_extension import load
+    ninja_on_path()
     return load(name=f"course_{name}", sources=[str(CSRC / f"{name}.cpp")],
                 extra_cflags=list(FLAGS[name]), verbose=False)
 

@@ -41,14 +41,12 @@ import argparse
 import collections
 import contextlib
 import datetime
-import functools
 import sys
 import time
 from typing import Callable
 from unittest.mock import patch
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench import bf16_words, machine, write_results
@@ -57,10 +55,12 @@ from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_qui
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers import attention as attention_module
+from common.layers import cpu_gemm
 from common.layers.attention import TorchOps
 from common.layers.cpu_attention import CpuOps
+from common.layers.cpu_gemm import dense_gemm, gemm_for
 from common.layers.elementwise import CpuElementwise, TorchElementwise
-from common.layers.logits import lm_head
+from common.layers.logits import lm_head_gemm
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template, load_model
 from common.models import llama as llama_module
@@ -193,17 +193,18 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
             return [SampledToken(t) for t in logits.float().argmax(dim=-1).tolist()]
         return patch.object(runner, "sampler", argmax_sampler)
 
-    def unpacked() -> contextlib.ExitStack:  # F.linear on the plain weights
+    def unpacked() -> contextlib.ExitStack:  # what cpu_gemm builds where nothing packs
+        with patch.object(cpu_gemm, "packs_weights", lambda weight: False):
+            fused_gemms = [(f, dense_gemm(f.weight, f.bias))
+                           for f in model.qkv + model.gate_up if f is not None]
+            products = {"o_proj": [gemm_for(layer.self_attn.o_proj) for layer in model.layers],
+                        "down_proj": [gemm_for(layer.mlp.down_proj) for layer in model.layers],
+                        "lm_head": lm_head_gemm(model.hf.lm_head.weight)}
         stack = contextlib.ExitStack()
-        for fused in model.qkv + model.gate_up:
-            if fused is not None:
-                stack.enter_context(patch.object(fused, "gemm", functools.partial(
-                    F.linear, weight=fused.weight, bias=fused.bias)))
-        for attr, proj in [("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj")]:
-            plain = [gemm_for_unpacked(layer.get_submodule(proj)) for layer in model.layers]
-            stack.enter_context(patch.object(model, attr, plain))
-        stack.enter_context(patch.object(model, "lm_head", functools.partial(
-            lm_head, weight=model.hf.lm_head.weight)))
+        for fused, gemm in fused_gemms:
+            stack.enter_context(patch.object(fused, "gemm", gemm))
+        for attr, gemms in products.items():
+            stack.enter_context(patch.object(model, attr, gemms))
         return stack
 
     changes = {"fused q/k/v and gate/up products": unfused,
@@ -218,13 +219,6 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
         changes["RMSNorm + residual add, rotary in C++"] = lambda: patch.object(
             model, "elementwise", TorchElementwise)
     return changes
-
-
-def gemm_for_unpacked(module: torch.nn.Module):
-    """F.linear on the module's plain weight (or the quantized module itself)."""
-    if type(module) is torch.nn.Linear:
-        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
-    return module
 
 
 def now_vs_before(engine: LLMEngine, rounds: int, steps: int) -> list[dict]:

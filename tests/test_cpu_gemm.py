@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.layers import cpu_gemm, logits
+from common.layers import cpu_gemm
 from common.layers.cpu_gemm import PackedLinear, dense_gemm, packs_weights
 from common.loader import load_model
 from common.memory import weight_bytes
@@ -57,7 +57,6 @@ def test_engine_tokens_do_not_change_and_the_card_pays_for_the_copies(monkeypatc
 
     # The same weights (a second dummy load, same seed), nothing packed.
     monkeypatch.setattr(cpu_gemm, "packs_weights", lambda weight: False)
-    monkeypatch.setattr(logits, "packs_weights", lambda weight: False)
     plain_engine = make_engine(bf16_tiny_llama(), dtype="bfloat16")
     assert plain_engine.worker.model_runner.model.packed_bytes == 0
     plain = run_all(plain_engine, prompts, greedy(16))

@@ -55,11 +55,13 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def dense_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Gemm:
-    """The product with this weight: packed where that pays, else F.linear."""
+def dense_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None,
+               unpacked: Gemm | None = None) -> Gemm:
+    """The product with this weight: packed where that pays, else `unpacked`
+    (default: F.linear on the weight)."""
     if packs_weights(weight):  # ch05
         return PackedLinear(weight, bias)
-    return functools.partial(F.linear, weight=weight, bias=bias)
+    return unpacked or functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def gemm_for(module: nn.Module) -> Gemm:

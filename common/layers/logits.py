@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from common.layers.cpu_gemm import Gemm, PackedLinear, packs_weights
+from common.layers.cpu_gemm import Gemm, dense_gemm
 
 
 def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,4 @@ def lm_head_gemm(weight: torch.Tensor) -> Gemm:
     """The head as one callable, hidden (N, hidden) -> logits (N, vocab):
     ch05: in bfloat16 on a CPU, with the weight packed once for oneDNN
     (cpu_gemm.py: twice as fast as `lm_head` at 64 rows); else `lm_head`."""
-    if packs_weights(weight):
-        return PackedLinear(weight)
-    return functools.partial(lm_head, weight=weight)
+    return dense_gemm(weight, unpacked=functools.partial(lm_head, weight=weight))

@@ -14,8 +14,10 @@ Three operations, one interface, as for attention (attention.py):
 `TorchElementwise` is the reference, in PyTorch ops: each op a pass over the
 batch with its own temporary, about fifteen ops per layer. `CpuElementwise`
 (ch05) does each operation in one pass in C++ (csrc/fused_ops_cpu.cpp), in
-place, with PyTorch's roundings: the same numbers in bfloat16, within a
-float's last bits in float32 (tests/test_elementwise.py).
+place, with PyTorch's roundings: the residual add and the rotary embedding
+give PyTorch's numbers bit for bit; the norms add their sum of squares in
+another order, so a value may round one step the other way
+(tests/test_elementwise.py).
 `elementwise_ops_for(device)` picks: C++ on the CPU where it builds, the
 reference elsewhere (CUDA: one of vLLM's fused CUDA kernels would go here).
 

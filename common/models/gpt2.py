@@ -13,11 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.layers.attention import AttentionMetadata, paged_attention
 from common.layers.attention_selector import attention_ops_for
-from common.layers.attention import (
-    AttentionMetadata,
-    paged_attention,
-)
 from common.layers.logits import lm_head
 
 

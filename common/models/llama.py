@@ -29,11 +29,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.layers.attention import AttentionMetadata, paged_attention
 from common.layers.attention_selector import attention_ops_for
-from common.layers.attention import (
-    AttentionMetadata,
-    paged_attention,
-)
+from common.layers.cpu_gemm import Gemm, gemm_for, packed_bytes
+from common.layers.elementwise import elementwise_ops_for
+from common.layers.fused import FusedLinear, fuse_linears
+from common.layers.logits import lm_head_gemm
 from common.layers.parallel import (
     SINGLE_RANK,
     TPGroup,
@@ -42,10 +43,6 @@ from common.layers.parallel import (
     vocab_parallel_embedding,
     vocab_shard,
 )
-from common.layers.cpu_gemm import Gemm, gemm_for, packed_bytes
-from common.layers.elementwise import elementwise_ops_for
-from common.layers.fused import FusedLinear, fuse_linears
-from common.layers.logits import lm_head_gemm
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
@@ -76,10 +73,11 @@ class LlamaForward:
         self.inv_freq = rotary.inv_freq  # (head_dim / 2,)
         self.attention_scaling = getattr(rotary, "attention_scaling", 1.0)
         # ch05: one product for q/k/v and one for gate/up (None: quantized, one each)
-        self.qkv: list[FusedLinear | None] = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                  layer.self_attn.v_proj]) for layer in self.layers]
-        self.gate_up: list[FusedLinear | None] = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
-                        for layer in self.layers]
+        self.qkv: list[FusedLinear | None] = [
+            fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            for layer in self.layers]
+        self.gate_up: list[FusedLinear | None] = [
+            fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
         # ch05: the other products, packed in bfloat16 on a CPU (cpu_gemm.py)
         self.o_proj: list[Gemm] = [gemm_for(layer.self_attn.o_proj) for layer in self.layers]
         self.down_proj: list[Gemm] = [gemm_for(layer.mlp.down_proj) for layer in self.layers]

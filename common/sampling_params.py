@@ -9,8 +9,14 @@ the sampler only read it.
 a delta per new token (the servers, which stream or collect the deltas).
 Either way no output copies the whole sequence at every token.
 
-Left out: beam search, best_of, guided decoding, the cumulative output kind
-(every output repeating all the text so far).
+`structured_outputs` (ch06) constrains the answer to a JSON schema, any
+JSON object, a regular expression, an EBNF grammar or one of a list of
+strings (vLLM's `StructuredOutputsParams`, the same field names): the
+engine compiles it with xgrammar (common/engine/structured_output.py).
+
+Left out: beam search, best_of, the cumulative output kind (every output
+repeating all the text so far), vLLM's structural tags and
+`disable_any_whitespace`.
 """
 from __future__ import annotations
 
@@ -21,6 +27,38 @@ from dataclasses import dataclass, field
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing the
 # logits by 1e-300 would overflow them to inf, and softmax to NaN.
 SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the answer must match (ch06): exactly one of the fields (vLLM's names).
+
+    - `json`: a JSON schema, as a dict or its text;
+    - `json_object`: any JSON object (OpenAI's `{"type": "json_object"}`);
+    - `regex`: a regular expression the whole answer matches;
+    - `choice`: the answer is one of these strings;
+    - `grammar`: an EBNF grammar (xgrammar's dialect, GBNF-like).
+    """
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, "
+                             f"regex, choice and grammar (given: {given or 'none'})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice needs at least one string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(self, name) not in (None, False))
 
 
 class RequestOutputKind(enum.Enum):
@@ -47,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return (0: chosen only)
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    structured_outputs: StructuredOutputsParams | None = None  # ch06: what the answer must match
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -71,4 +110,4 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with nothing to adjust or report: a batched argmax serves it."""
         return (self.greedy and not self.needs_penalties and not self.logit_bias
-                and self.logprobs is None)
+                and self.logprobs is None)  # a grammar's mask is applied before: still plain

@@ -7,6 +7,7 @@
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
     outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
     for logger in stat_loggers: logger.record(iteration_stats)   # ch06: the step's times
+    propose_drafts()                                # ch06: --speculative-config
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the
 offline `LLM`) validate each one once with `check_request` before
@@ -35,6 +36,15 @@ Each stat logger (`add_stat_logger`, vLLM's name: chapter 06's Prometheus
 `Metrics`) gets the step's `IterationStats`; one that raises is logged,
 and the engine goes on.
 
+ch06, structured outputs: a request with `SamplingParams.structured_outputs`
+gets a grammar matcher (common/engine/structured_output.py, xgrammar)
+when it is added; `compile_grammar` is what the servers call first, off
+the event loop, so that a bad schema is their 400. ch06, speculative
+decoding (`--speculative-config`): after each step, every decoding
+sequence gets its n-gram drafts for the next one
+(common/engine/ngram_proposer.py), and the step's drafts checked and
+accepted are counted (vLLM's `vllm:spec_decode_*`).
+
 Left out: an engine core in its own process (vLLM's v1 runs it apart from
 the API server, over ZeroMQ), LoRA, multimodal inputs.
 The async front that servers use is common/engine/async_llm.py.
@@ -42,6 +52,7 @@ The async front that servers use is common/engine/async_llm.py.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import partial
 
@@ -51,17 +62,19 @@ from common.autoregressive import eos_token_ids
 from common.config import EngineConfig
 from common.engine.block_manager import BlockManager, KVCacheUsage
 from common.engine.kv_cache import KVCache
+from common.engine.ngram_proposer import NgramProposer
 from common.engine.output_processor import OutputProcessor
 from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, IterationStats
+from common.engine.structured_output import StructuredOutputManager
 from common.engine.tp_workers import TPWorkers, start_ranks
 from common.engine.worker import build_worker
 from common.layers.sampler import RequestSamplingState
 from common.loader import LoadedModel, load_model
 from common.models import check_tensor_parallel
 from common.outputs import FinishReason, RequestOutput
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
@@ -133,6 +146,11 @@ class LLMEngine:
                                        self.max_model_len,
                                        long_prefill_token_threshold=config.prefill_cap)
         self.output_processor = OutputProcessor(self.tokenizer)
+        spec = config.speculative_config  # ch06
+        self.proposer = spec and NgramProposer(spec.num_speculative_tokens,
+                                               spec.prompt_lookup_max, spec.prompt_lookup_min)
+        self._structured_output: StructuredOutputManager | None = None  # ch06: on first use
+        self._structured_output_lock = threading.Lock()
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self.stats = EngineStats()
         self.stat_loggers: list = []  # ch06: add_stat_logger; each records every step
@@ -157,11 +175,31 @@ class LLMEngine:
         return default_max_tokens(num_prompt_tokens, min(self.max_model_len, self.cache_tokens),
                                   cap)
 
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """ch06: the grammar compiler, built on first use (xgrammar reads the
+        whole vocabulary once), from any thread."""
+        with self._structured_output_lock:
+            if self._structured_output is None:
+                spec = self.config.speculative_config
+                self._structured_output = StructuredOutputManager(
+                    self.tokenizer, self.loaded.model.config.vocab_size,
+                    sorted(self.eos_token_ids), spec.num_speculative_tokens if spec else 0)
+            return self._structured_output
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """ch06: compile a constraint now (raises `GrammarError`, a
+        ValueError); the servers call it in a worker thread, and the
+        compiled grammar is cached for `add_request`."""
+        self.structured_output.compile(params)
+
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse at once what could never run (instead of hanging). The
         entrypoints call it once per request, before `add_request`."""
         if num_prompt_tokens == 0:
             raise ValueError("The prompt is empty.")
+        if params.structured_outputs is not None:  # ch06: a cache hit after compile_grammar
+            self.compile_grammar(params.structured_outputs)
         check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
         needed = self.block_manager.blocks_needed(num_prompt_tokens + params.max_tokens)
         if needed > self.block_manager.num_blocks:
@@ -185,6 +223,8 @@ class LLMEngine:
             sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        if params.structured_outputs is not None:  # ch06: its own matcher
+            seq.structured_output = self.structured_output.grammar_for(params.structured_outputs)
         self.sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
@@ -206,6 +246,7 @@ class LLMEngine:
             return []
         prompt_tokens = self._count_scheduled(batch)
         sampled = self.worker.model_runner.execute_model(batch)
+        self._count_drafts(batch, sampled)  # ch06
         updated = self.scheduler.update_from_output(batch, sampled)
         iteration_stats = IterationStats(time.monotonic())  # ch06: every new token's time
         iteration_stats.num_prompt_tokens = prompt_tokens
@@ -222,7 +263,29 @@ class LLMEngine:
         self._update_stats()
         self._record(iteration_stats)
         self._maybe_log(idle=not self.has_unfinished_requests())
+        if self.proposer is not None:
+            self._propose_drafts()
         return outputs
+
+    # ------------------------------------------ ch06: speculative decoding
+    def _propose_drafts(self) -> None:
+        """Drafts for every sequence that decodes next step: never more than
+        its answer has room for (the step may also add a bonus token)."""
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                seq.spec_token_ids = []  # still prefilling
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens) - 1
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+
+    def _count_drafts(self, batch: list[ScheduledSeq], sampled: dict) -> None:
+        """vLLM's spec-decode counters: drafts checked, and accepted (the
+        tokens a sequence got, but the last)."""
+        for item in batch:
+            tokens = sampled.get(item.seq)
+            if item.draft_token_ids and isinstance(tokens, list):
+                self.stats.observe_draft(len(item.draft_token_ids), len(tokens) - 1)
 
     def _count_scheduled(self, batch: list[ScheduledSeq]) -> int:
         """Count the step's admissions and prompt tokens; returns the latter."""
@@ -304,6 +367,13 @@ class LLMEngine:
             "prefix_cache_hit_blocks": bm.prefix_hits,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "iteration_tokens": s.iteration_tokens.as_dict(),
+            # ch06: speculative decoding (zeros without --speculative-config)
+            "spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(
+                s.spec_decode_num_accepted_tokens_per_pos),
+            "spec_decode_acceptance_rate": s.spec_decode_acceptance_rate,
             "finished": dict(s.finished),
             "card": self.worker.card.describe(),
         }

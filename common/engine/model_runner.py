@@ -9,6 +9,14 @@ to sample goes through the LM head.
 
 CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 
+ch06, structured outputs: the rows of constrained sequences get their
+grammar's token mask (-inf for every disallowed token) before the sampler.
+ch06, speculative decoding: a sequence checking k drafts feeds them after
+its last token, like a short prefill chunk over its cached context, and
+all its k + 1 rows go through the LM head; the `RejectionSampler`
+(common/layers/rejection_sampler.py) then keeps the drafts the model
+agrees with, plus one token.
+
 ch06, tensor parallelism: the step's inputs are first built as plain lists
 (`StepInputs`), which rank 0 sends to the other ranks
 (common/engine/tp_workers.py); every rank's `Worker` (worker.py) then runs
@@ -28,7 +36,9 @@ from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.attention import AttentionMetadata
+from common.layers.rejection_sampler import RejectionSampler
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed
+from common.layers.token_bitmask import allocate_token_bitmask, apply_token_bitmask
 
 
 @dataclass
@@ -69,28 +79,32 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = next(model.hf.parameters()).device
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()  # ch06: speculative decoding
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
         input_ids, positions, slots, query_start, context_lens = [], [], [], [0], []
+        sample_rows = []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start:end] + item.draft_token_ids  # ch06: drafts last
             for pos in range(start, end):
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size
                              + pos % self.block_size)
             positions += range(start, end)
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
+            if item.samples:  # the last token's row, and ch06 one row per draft
+                sample_rows += range(query_start[-1] - 1 - len(item.draft_token_ids),
+                                     query_start[-1])
         max_blocks = max(len(item.seq.block_table) for item in batch)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
         return StepInputs(
             input_ids, positions, slots, query_start, context_lens, tables,
             num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
-            block_size=self.block_size,
-            sample_rows=[query_start[i + 1] - 1 for i, item in enumerate(batch) if item.samples])
+            block_size=self.block_size, sample_rows=sample_rows)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
@@ -110,9 +124,10 @@ class ModelRunner:
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
     def execute_model(self, batch: list[ScheduledSeq]
-                      ) -> dict[Sequence, SampledToken | SamplingFailed]:
-        """One forward pass. Returns the new token of each sequence that
-        samples this step (a prefill chunk that is not the last has none)."""
+                      ) -> dict[Sequence, list[SampledToken] | SamplingFailed]:
+        """One forward pass. Returns the new tokens of each sequence that
+        samples this step (one; ch06, with drafts, the accepted ones and one
+        more); a prefill chunk that is not the last has none."""
         # ch05: prefill chunks and decodes share the batch; decodes go first
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
         step = self.prepare_inputs(batch)
@@ -122,9 +137,52 @@ class ModelRunner:
             logits = self.forward_logits(step)
         if logits is None:
             return {}
-        seqs = [item.seq for item in batch if item.samples]
-        sampled = self.sampler(logits, [s.sampling for s in seqs])
-        return dict(zip(seqs, sampled))
+        sampling = [item for item in batch if item.samples]
+        rows = self.item_rows(sampling)
+        self.apply_grammar_masks(logits, sampling, rows)  # ch06: structured outputs
+        plain = [(item, r) for item, r in zip(sampling, rows) if not item.draft_token_ids]
+        speculating = [(item, r) for item, r in zip(sampling, rows) if item.draft_token_ids]
+        results: dict[Sequence, list[SampledToken] | SamplingFailed] = {}
+        if plain:
+            plain_logits = logits if not speculating else logits[[r[0] for _, r in plain]]
+            tokens = self.sampler(plain_logits, [item.seq.sampling for item, _ in plain])
+            for (item, _), token in zip(plain, tokens):
+                results[item.seq] = token if isinstance(token, SamplingFailed) else [token]
+        if speculating:  # ch06: every draft row, in one call
+            verified = self.rejection_sampler(
+                logits[[row for _, r in speculating for row in r]],
+                [item.seq.sampling for item, _ in speculating],
+                [item.draft_token_ids for item, _ in speculating])
+            results.update(zip((item.seq for item, _ in speculating), verified))
+        return results
+
+    @staticmethod
+    def item_rows(sampling: list[ScheduledSeq]) -> list[range]:
+        """Each sampling sequence's rows of the logits: one, or ch06 k + 1."""
+        rows, start = [], 0
+        for item in sampling:
+            rows.append(range(start, start + 1 + len(item.draft_token_ids)))
+            start += 1 + len(item.draft_token_ids)
+        return rows
+
+    @staticmethod
+    def apply_grammar_masks(logits: torch.Tensor, sampling: list[ScheduledSeq],
+                            rows: list[range]) -> None:
+        """ch06: each constrained sequence's rows get its grammar's mask
+        (-inf for the tokens it does not allow); the other rows are untouched."""
+        constrained = [(item, r) for item, r in zip(sampling, rows)
+                       if item.seq.structured_output is not None]
+        if not constrained:
+            return
+        row_ids = [row for _, r in constrained for row in r]
+        bitmask = allocate_token_bitmask(len(row_ids), logits.shape[-1])  # (rows, words)
+        first = 0
+        for item, r in constrained:
+            item.seq.structured_output.fill_bitmask_rows(bitmask, first, item.draft_token_ids)
+            first += len(r)
+        masked = logits[row_ids]  # (rows, vocab), a copy
+        apply_token_bitmask(masked, bitmask.to(logits.device))
+        logits[row_ids] = masked
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """ch05 on CUDA: record decode steps as CUDA graphs (cuda_graphs.py)."""

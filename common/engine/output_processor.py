@@ -1,7 +1,8 @@
 """Output processing (ch03, ch05): new tokens -> text -> what each request receives.
 
 After each step the engine hands the sequences that got a token to
-`OutputProcessor.process`, which for each of them
+`OutputProcessor.process`, which for each of them (and for each of its
+new tokens: one, or with speculative decoding, ch06, up to k + 1)
 
 1. detokenizes the new token incrementally (common/engine/detokenizer.py,
    ch05: a token may hold half a UTF-8 character);
@@ -73,6 +74,7 @@ class RequestState:
     released: list[str] = field(default_factory=list)  # text pieces sent (or to send)
     held: str = ""  # decoded, not released: could be the start of a stop string
     stops: StopStrings | None = None  # None: the request has no stop strings
+    num_processed: int = 0  # output tokens already turned into text
     stats: RequestStateStats = field(init=False)  # ch06: its times, across steps
 
     def __post_init__(self) -> None:
@@ -116,10 +118,8 @@ class OutputProcessor:
             state = self.states[seq.request_id]
             reason, error, new_text = seq.finish_reason, seq.error, ""
             if error is None:  # a row that failed to sample has no new token
-                if iteration_stats is not None:
-                    iteration_stats.update_from_output(state.stats, seq.first_scheduled_time)
                 try:
-                    new_text, stop_matched = self._new_text(state, reason is not None)
+                    new_text, stop_matched = self._new_texts(state, reason is not None)
                     if stop_matched:
                         reason = FinishReason.STOP
                         to_finish.append(Finish(seq, reason))
@@ -127,7 +127,11 @@ class OutputProcessor:
                     log.exception("output processing failed for %s", seq.request_id)
                     reason, error = FinishReason.ERROR, f"output processing failed: {exc!r}"
                     to_finish.append(Finish(seq, reason, error))
-            output = self._output(state, new_text, reason, error)
+            num_new = seq.num_output_tokens - state.num_processed  # after a stop string's cut
+            if iteration_stats is not None and num_new:
+                iteration_stats.update_from_output(state.stats, seq.first_scheduled_time, num_new)
+            state.num_processed = seq.num_output_tokens
+            output = self._output(state, new_text, num_new, reason, error)
             if output is not None:
                 outputs.append(output)
             if reason is not None:
@@ -138,12 +142,26 @@ class OutputProcessor:
                         state.stats)
         return outputs, to_finish
 
-    def _new_text(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
-        """Text to release for the newest token, and whether a stop string
+    def _new_texts(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
+        """Text to release for the step's new tokens, and whether a stop
+        string matched. ch06: when one matches at a token that is not the
+        last (speculative decoding), the tokens after it are dropped."""
+        seq, texts = state.seq, []
+        for i in range(state.num_processed, seq.num_output_tokens):
+            last = i == seq.num_output_tokens - 1
+            text, stop_matched = self._new_text(state, seq.output_token_ids[i], finishing and last)
+            texts.append(text)
+            if stop_matched:
+                seq.truncate_output(i + 1)
+                return "".join(texts), True
+        return "".join(texts), False
+
+    def _new_text(self, state: RequestState, token_id: int, finishing: bool
+                  ) -> tuple[str, bool]:
+        """Text to release for one new token, and whether a stop string
         matched. Only `held + new` is searched: a stop string that ends in
         the new text starts at most `hold_chars` characters before it."""
-        seq = state.seq
-        text = state.held + state.detokenizer.step(seq.output_token_ids[-1])
+        text = state.held + state.detokenizer.step(token_id)
         if finishing:
             text += state.detokenizer.flush()
         position = state.stops.find(text) if state.stops is not None else None
@@ -161,11 +179,13 @@ class OutputProcessor:
         return text
 
     @staticmethod
-    def _output(state: RequestState, new_text: str, reason: FinishReason | None,
+    def _output(state: RequestState, new_text: str, num_new: int, reason: FinishReason | None,
                 error: str | None) -> RequestOutput | None:
         seq, done = state.seq, reason is not None
         if seq.params.output_kind is RequestOutputKind.DELTA:
-            token_ids, text, logprobs = seq.output_token_ids[-1:], new_text, seq.output_logprobs[-1:]
+            first = seq.num_output_tokens - num_new
+            token_ids, text = seq.output_token_ids[first:], new_text
+            logprobs = seq.output_logprobs[first:]
         elif done:  # FINAL_ONLY: the whole answer, once
             token_ids, text = list(seq.output_token_ids), "".join(state.released)
             logprobs = list(seq.output_logprobs)

@@ -26,8 +26,9 @@ frontend wall-clock arrival time beside the engine core's monotonic
 times (one clock here; the queue time runs from arrival, not from a
 separate QUEUED event), per-request preemption counts, per-step
 prefix-cache stats (counted in `EngineStats`), the split of prompt tokens
-by source, LoRA, speculative-decoding, NaN-corruption and KV-eviction
-figures. A request aborted (client gone) or failed before its first token
+by source, LoRA, NaN-corruption and KV-eviction figures; the
+speculative-decoding counts (ch06) are running totals in `EngineStats`,
+not per step. A request aborted (client gone) or failed before its first token
 gives no `FinishedRequestStats`: it has no latencies to observe (its
 finish is still counted in `EngineStats.finished`).
 """
@@ -79,6 +80,30 @@ class EngineStats:
     sum_reserved_slots: int = 0  # over steps, for the time-averaged waste
     sum_used_slots: int = 0
     finished: dict = field(default_factory=dict)  # finish reason -> count
+    # ch06, speculative decoding (vLLM's SpecDecodingStats): sequences that
+    # checked drafts, drafts checked, drafts accepted, and accepted per position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """ch06: one sequence checked `num_draft_tokens` drafts this step and
+        kept the first `num_accepted_tokens` of them."""
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft_tokens
+        self.spec_decode_num_accepted_tokens += num_accepted_tokens
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted_tokens):
+            per_pos[pos] += 1
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted drafts / drafts checked (0 before any)."""
+        if not self.spec_decode_num_draft_tokens:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
 
 @dataclass
@@ -125,10 +150,12 @@ class IterationStats:
         return f"IterationStats({vars(self)})"
 
     def update_from_output(self, req_stats: RequestStateStats,
-                           first_scheduled_time: float) -> None:
-        """One request got a new token this step. `first_scheduled_time`:
-        the engine's stamp of its first step (`Sequence.first_scheduled_time`),
-        kept at its first token."""
+                           first_scheduled_time: float, num_new_tokens: int = 1) -> None:
+        """One request got new tokens this step: one, or with speculative
+        decoding (ch06) up to k + 1, which arrive together (one latency,
+        as vLLM counts them). `first_scheduled_time`: the engine's stamp of
+        its first step (`Sequence.first_scheduled_time`), kept at its
+        first token."""
         now = self.iteration_timestamp
         if req_stats.num_generation_tokens == 0:
             req_stats.first_scheduled_time = first_scheduled_time
@@ -137,8 +164,8 @@ class IterationStats:
         else:
             self.inter_token_latencies_iter.append(now - req_stats.last_token_time)
         req_stats.last_token_time = now
-        req_stats.num_generation_tokens += 1
-        self.num_generation_tokens += 1
+        req_stats.num_generation_tokens += num_new_tokens
+        self.num_generation_tokens += num_new_tokens
 
     def update_from_finished_request(self, request_id: str, finish_reason: FinishReason,
                                      num_prompt_tokens: int, max_tokens_param: int,

@@ -15,8 +15,13 @@ updated by one token per step: so a request with a 49,152-entry
 `logit_bias`, a long prompt under a repetition penalty or hundreds of
 `stop_token_ids` costs the other requests' steps no more than a plain one.
 
-Left out: beam search, best_of, guided decoding; rows are sampled one by
-one, on the CPU (vLLM samples the whole batch with tensors on the GPU).
+A grammar's mask (ch06, structured outputs) is applied to the logits
+before they reach the sampler (common/layers/token_bitmask.py); draft
+tokens are checked by common/layers/rejection_sampler.py, which uses the
+same per-request state.
+
+Left out: beam search, best_of; rows are sampled one by one, on the CPU
+(vLLM samples the whole batch with tensors on the GPU).
 """
 from __future__ import annotations
 
@@ -80,32 +85,47 @@ class RequestSamplingState:
         if self.seen is not None:
             self.seen[token_id] = True
 
+    def banned_at(self, num_pending: int = 0) -> bool:
+        """Are EOS and the stop ids banned at the position `num_pending`
+        tokens after the output so far (`min_tokens` not reached)?"""
+        return (self.min_tokens_ban is not None
+                and self.num_output_tokens + num_pending < self.params.min_tokens)
+
     @property
     def banned_now(self) -> bool:
-        return (self.min_tokens_ban is not None
-                and self.num_output_tokens < self.params.min_tokens)
+        return self.banned_at(0)
 
     @property
     def plain_greedy(self) -> bool:
         """Nothing to adjust or report: a batched argmax serves this row."""
         return self.params.plain_greedy and not self.banned_now
 
-    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, pending: list[int] = ()) -> torch.Tensor:
         """logits: (vocab,) -> a new row with the penalties, the bias and
         the ban applied (the repetition penalty, vLLM's and HF's, covers
         prompt and output; OpenAI's presence and frequency penalties count
-        the output; the bias is added to the penalized logits)."""
+        the output; the bias is added to the penalized logits).
+
+        `pending` (ch06, speculative decoding): draft tokens that come
+        before this row's position and count as output if this row is
+        reached (they are accepted by then), as vLLM's rejection sampler
+        counts them; the state itself is not changed."""
         p = self.params
+        ids = torch.tensor(list(pending), dtype=torch.long) if pending else None  # (num_pending,)
         if self.seen is not None:
+            seen = self.seen if ids is None else self.seen.index_fill(0, ids, True)
             penalized = torch.where(logits > 0, logits / p.repetition_penalty,
                                     logits * p.repetition_penalty)
-            logits = torch.where(self.seen, penalized, logits)
+            logits = torch.where(seen, penalized, logits)
         if self.output_counts is not None:
-            logits = logits - p.frequency_penalty * self.output_counts
-            logits = logits - p.presence_penalty * (self.output_counts > 0).float()
+            counts = self.output_counts
+            if ids is not None:
+                counts = counts.index_add(0, ids, torch.ones(len(ids)))
+            logits = logits - p.frequency_penalty * counts
+            logits = logits - p.presence_penalty * (counts > 0).float()
         if self.bias is not None:
             logits = logits + self.bias
-        if self.banned_now:
+        if self.banned_at(len(pending)):
             logits = logits.index_fill(0, self.min_tokens_ban, float("-inf"))
         return logits
 
@@ -129,7 +149,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def _top_logprobs(logprobs: torch.Tensor, token_id: int, k: int | None) -> SampledToken:
+def sampled_token(logprobs: torch.Tensor, token_id: int, k: int | None) -> SampledToken:
     if k is None:
         return SampledToken(token_id)
     top = torch.topk(logprobs, k) if k > 0 else None
@@ -183,4 +203,4 @@ class Sampler:
         else:
             probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
             token = int(torch.multinomial(probs, 1, generator=state.generator))
-        return _top_logprobs(logprobs, token, p.logprobs)
+        return sampled_token(logprobs, token, p.logprobs)

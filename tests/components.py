@@ -19,7 +19,7 @@ from types import ModuleType, SimpleNamespace
 from common import autoregressive, memory
 from common.engine import block_manager, scheduler
 from common.entrypoints import metrics
-from common.layers import attention
+from common.layers import attention, rejection_sampler, token_bitmask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +71,9 @@ class Components:
     # ch06
     EngineCollector: type = metrics.EngineCollector
     LatencyStatLogger: type = metrics.LatencyStatLogger
+    # ch06: structured outputs and speculative decoding
+    apply_token_bitmask: object = token_bitmask.apply_token_bitmask
+    rejection_sample: object = rejection_sampler.rejection_sample
     exercise: str | None = field(default=None)
 
 

@@ -39,7 +39,7 @@ from typing import AsyncIterator, Callable
 from common.engine.llm_engine import LLMEngine
 from common.engine.tp_workers import RankDiedError
 from common.outputs import FinishReason, RequestOutput
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("llm-course")
 
@@ -113,6 +113,11 @@ class AsyncLLM:
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """The engine's admission rules (context length, cache size)."""
         self.engine.check_request(num_prompt_tokens, params)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """ch06: compile a structured output's grammar (servers call it in a
+        worker thread; xgrammar's compiler and its cache are thread-safe)."""
+        self.engine.compile_grammar(params)
 
     def default_max_tokens(self, num_prompt_tokens: int, cap: int | None) -> int:
         return self.engine.default_max_tokens(num_prompt_tokens, cap)

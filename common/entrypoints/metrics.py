@@ -28,8 +28,13 @@ usage as a fraction. vLLM's own Grafana dashboard
 repository) reads only these names: all 12 of its panels have data
 against chapter 06 (06-openai-server/README.md).
 
-Left out: the speculative-decoding, LoRA, KV-connector and multimodal
-metrics, the per-request preemption and prefill-KV histograms, and
+ch06, speculative decoding: vLLM's counters `vllm:spec_decode_num_drafts`,
+`_num_draft_tokens`, `_num_accepted_tokens` and `_num_accepted_tokens_per_pos`
+(label `position`), and the acceptance rate as a gauge under vLLM v0's
+name, `vllm:spec_decode_draft_acceptance_rate` (v1 leaves the division to
+the dashboard): all zeros without `--speculative-config`.
+
+Left out: the LoRA, KV-connector and multimodal metrics, the per-request preemption and prefill-KV histograms, and
 per-engine labels (one engine here).
 """
 from __future__ import annotations
@@ -111,6 +116,26 @@ class EngineCollector:
         yield success
         if "iteration_tokens" in s:  # the exercise's snapshot may have none
             yield self._step_tokens(s["iteration_tokens"])
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: dict):
+        """ch06: speculative decoding's counts (vLLM's names)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Sequences that checked drafts, "
+                            "summed over steps.", s["spec_decode_num_drafts"])
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens checked.",
+                            s["spec_decode_num_draft_tokens"])
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s["spec_decode_num_accepted_tokens"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+        yield self._gauge("vllm:spec_decode_draft_acceptance_rate", "Draft tokens accepted "
+                          "/ checked, since the start (0 before any).",
+                          s["spec_decode_acceptance_rate"])
 
     def _step_tokens(self, counts: dict) -> HistogramMetricFamily:
         """The engine's per-step token counts as vLLM's histogram."""

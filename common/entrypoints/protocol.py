@@ -16,15 +16,34 @@ What needs the model (token ids inside the vocabulary, the context length)
 is checked by the serving code, which knows the tokenizer. What the server
 answers is in common/entrypoints/responses.py.
 
-Left out: tools/function calling, structured output, audio and images,
-the Responses API.
+ch06, structured outputs: `response_format` (OpenAI's `text`,
+`json_object`, `json_schema`) and vLLM's `structured_outputs` extra
+(`json`, `json_object`, `regex`, `choice`, `grammar`) become one
+`StructuredOutputsParams` (`SamplingFields.structured_outputs_params`).
+A schema that is not valid JSON Schema is a 400 here (the `jsonschema`
+package checks it against its metaschema); one that xgrammar cannot
+compile is a 400 from the serving code, which compiles it off the event loop.
+
+Left out: tools/function calling, audio and images, the Responses API,
+vLLM's structural tags and whitespace options.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+import jsonschema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from common.sampling_params import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # a seed is a 64-bit integer (torch.Generator)
 
@@ -82,8 +101,6 @@ class ChatMessage(StrictModel):
 REFUSED_VLLM_FIELDS = {
     "prompt_logprobs": "prompt_logprobs (the prompt's own logprobs) is not supported.",
     "use_beam_search": "Beam search is not supported.",
-    "structured_outputs": "Structured outputs (choice, regex, grammar, JSON schema) are "
-                          "not supported yet.",
     "echo": "echo (the prompt repeated before the answer) is not supported.",
     "add_generation_prompt": "add_generation_prompt false is not supported: the chat "
                              "template always opens the assistant's turn.",
@@ -111,6 +128,75 @@ class StreamOptions(StrictModel):
         return refuse_unless_default(cls, value, info)
 
 
+# -------------------------------------------------- structured outputs (ch06)
+def valid_json_schema(schema: dict) -> dict:
+    """A 400 for a schema that its metaschema refuses ({"type": "objekt"})."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise PydanticCustomError("invalid_json_schema", "is not a valid JSON Schema: {error}",
+                                  {"error": exc.message}) from None
+    return schema
+
+
+JsonSchema = Annotated[dict, AfterValidator(valid_json_schema)]
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`."""
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: bool | None = None  # a grammar always holds the schema strictly: accepted as is
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: bool | None = None  # misplaced: refused below
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.strict is not None:
+            raise unsupported("strict belongs in response_format.json_schema, not in "
+                              "response_format itself.")
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise unsupported("response_format.json_schema is required when type is "
+                              "\"json_schema\", and allowed only then.")
+        return self
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` request extra: exactly one constraint."""
+    json_: Union[JsonSchema, Text, None] = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        self.params()  # raises for none or several
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        try:
+            return StructuredOutputsParams(
+                json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                choice=tuple(self.choice) if self.choice is not None else None,
+                grammar=self.grammar)
+        except ValueError as exc:
+            raise unsupported(str(exc)) from None
+
+
 class SamplingFields(StrictModel):
     """Fields shared by chat and text completions."""
     model: Text | None = None
@@ -136,12 +222,32 @@ class SamplingFields(StrictModel):
     return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
     prompt_logprobs: int | None = None  # refused (REFUSED_VLLM_FIELDS)
     use_beam_search: bool = False  # refused
-    structured_outputs: dict | None = None  # refused
+    # ch06: structured outputs, OpenAI's way or vLLM's (not both)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
-    @field_validator("prompt_logprobs", "use_beam_search", "structured_outputs")
+    @field_validator("prompt_logprobs", "use_beam_search")
     @classmethod
     def _refused_vllm_extras(cls, value, info: ValidationInfo):
         return refuse_unless_default(cls, value, info)
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value, info: ValidationInfo):
+        response_format = info.data.get("response_format")
+        if value is not None and response_format is not None and response_format.type != "text":
+            raise unsupported("response_format and structured_outputs may not both "
+                              "constrain the answer: give one.")
+        return value
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """ch06: what the answer must match (None: free text), and the
+        request field that said so (the `param` of a 400 about it)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params(), "structured_outputs"
+        if self.response_format is not None:
+            return self.response_format.params(), "response_format"
+        return None, "response_format"
 
     @field_validator("stream_options")
     @classmethod
@@ -194,7 +300,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict | None = None
     # OpenAI fields this server refuses rather than ignores:
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
@@ -220,14 +325,6 @@ class ChatCompletionRequest(SamplingFields):
     def _refused(cls, value, info: ValidationInfo):
         if value not in (None, [], {}, "none"):  # "none": no tool call, as without tools
             raise unsupported(REFUSED_CHAT_FIELDS[info.field_name])
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value and value.get("type", "text") != "text":
-            raise unsupported('Only response_format {"type": "text"} is supported '
-                              "(no JSON mode, no structured output).")
         return value
 
     @field_validator("modalities")

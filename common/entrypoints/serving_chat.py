@@ -12,8 +12,12 @@ One request, top to bottom (`create_chat_completion`):
 
 Chapters 03-05 answer whole; their route refuses `stream: true` (api_server.py).
 
-Left out: tool calls, `response_format` other than text, `echo`,
-per-chunk usage (`continuous_usage_stats`).
+ch06: `response_format` (JSON object, JSON schema) and vLLM's
+`structured_outputs` constrain the answer (common/engine/structured_output.py);
+the grammar is compiled before the request is queued.
+
+Left out: tool calls, `echo`, per-chunk usage (`continuous_usage_stats`),
+`client.beta.chat.completions.parse`'s `refusal` (always null here).
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
         check_model_name(req.model, self.model_name)
         prompt = await run_in_threadpool(self.chat_prompt, req)
+        await self.compile_grammar(req)  # ch06: structured outputs, off the event loop
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, [prompt], req, "messages")
         if req.stream:  # ch06

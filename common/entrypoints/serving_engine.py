@@ -5,7 +5,9 @@ to the engine (`AsyncLLM`). For every request it
 
 1. checks what needs the model, once, before queueing anything: the model
    name (404), token ids inside the vocabulary, the context length and the
-   cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503);
+   cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503),
+   and (ch06) compiles a structured output's grammar in a worker thread
+   (`compile_grammar`: a grammar xgrammar refuses is a 400);
 2. queues one engine request per choice: choice k is sample k % n of
    prompt k // n; sample s of a seeded request gets seed + s, so the n
    choices differ yet replay the same;
@@ -30,6 +32,7 @@ from typing import AsyncIterator, Awaitable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from common.engine.async_llm import (
     AsyncLLM,
@@ -185,6 +188,7 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
             logprobs=req.logprobs_count(),
+            structured_outputs=req.structured_outputs_params()[0],  # ch06
             # a whole answer needs only the final output (vLLM's FINAL_ONLY): one
             # message from the engine thread per request instead of one per token
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
@@ -195,6 +199,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
         return params
+
+    async def compile_grammar(self, req: SamplingFields) -> None:
+        """ch06: compile the request's structured output, if any, in a worker
+        thread (the first compile of a schema takes milliseconds to seconds;
+        later ones are cache hits). xgrammar's refusal is a 400 naming the field."""
+        params, param = req.structured_outputs_params()
+        if params is None:
+            return
+        try:
+            await run_in_threadpool(self.engine.compile_grammar, params)
+        except ValueError as exc:  # GrammarError
+            raise APIError(400, str(exc), param=param) from None
 
     def check_capacity(self, num_new: int) -> None:
         """Backpressure (ch06): refuse what would wait beyond --max-waiting."""

@@ -67,6 +67,9 @@ def refuse_unimplemented(req: ChatCompletionRequest, implemented: set[str]) -> N
         if name not in implemented and getattr(req, name) != defaults[name].default:
             raise APIError(400, f"`{name}` is not implemented by this chapter's server "
                            "(our engine, from chapter 03 on, implements it).", param=name)
+    if req.structured_outputs_params()[0] is not None:  # ch06's engine constrains answers
+        raise APIError(400, "Structured outputs are implemented by chapter 06's server, "
+                       "not by this chapter's.", param=req.structured_outputs_params()[1])
     if req.stream:
         raise no_streaming_error()
 

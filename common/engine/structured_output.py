@@ -124,8 +124,8 @@ class StructuredOutputManager:
             if params.json is not None:
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
                 return self.compiler.compile_json_schema(schema)
-            if params.json_object:
-                return self.compiler.compile_builtin_json_grammar()
+            if params.json_object:  # any JSON *object*, as vLLM compiles it (not any value)
+                return self.compiler.compile_json_schema('{"type": "object"}')
             if params.regex is not None:
                 return self.compiler.compile_regex(params.regex)
             if params.choice is not None:

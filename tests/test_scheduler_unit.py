@@ -48,7 +48,7 @@ def step(sched, token: int = 7):
     """schedule, then a fake model output: `token` for every sequence that
     samples. Returns {request id: tokens fed} and the updated sequences."""
     batch = sched.schedule()
-    sampled = {item.seq: SampledToken(token) for item in batch if item.samples}
+    sampled = {item.seq: [SampledToken(token)] for item in batch if item.samples}
     updated = sched.update_from_output(batch, sampled)
     return {item.seq.request_id: item.num_new_tokens for item in batch}, updated
 
@@ -188,7 +188,7 @@ def test_update_finishes_on_eos_length_stop_token_and_failure(make):
     for s in (eos, length, stop_id, failed):
         sched.add(s)
     batch = sched.schedule()
-    sampled = {eos: SampledToken(EOS), length: SampledToken(5), stop_id: SampledToken(42),
+    sampled = {eos: [SampledToken(EOS)], length: [SampledToken(5)], stop_id: [SampledToken(42)],
                failed: SamplingFailed(RuntimeError("boom"))}
     updated = sched.update_from_output(batch, sampled)
     assert set(updated) == {eos, length, stop_id, failed}

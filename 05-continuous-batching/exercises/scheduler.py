@@ -111,13 +111,14 @@ class ContinuousScheduler:
 
     # ------------------------------------------------------- after a step
     def update_from_output(self, batch: list[ScheduledSeq],
-                           sampled: dict[Sequence, SampledToken | SamplingFailed]
+                           sampled: dict[Sequence, list[SampledToken] | SamplingFailed]
                            ) -> list[Sequence]:
         """Take in what the model computed and sampled for `batch`.
 
         `sampled` maps each sequence that sampled (its last prompt chunk
-        or a decode) to its `SampledToken`, or to `SamplingFailed` when
-        sampling that row raised. Returns the sequences that got a new
+        or a decode) to its new tokens, a list of `SampledToken` (one
+        here; chapter 06's speculative decoding gives several), or to
+        `SamplingFailed` when sampling that row raised. Returns the sequences that got a new
         token or failed (finished ones included), not the prefill chunks
         that did not sample.
         """
@@ -126,9 +127,9 @@ class ContinuousScheduler:
         #   then self.bm.cache_full_blocks(seq) (prefix caching: the blocks just filled);
         # - no entry in `sampled`: a prompt chunk that is not the last, nothing more;
         # - SamplingFailed: self.finish(seq, "error", f"sampling failed: {token.error!r}");
-        # - a SampledToken: seq.append(token), then
+        # - a list of SampledToken: for each, seq.append(token), then
         #   reason = seq.check_stop(self.eos_token_ids, self.max_model_len);
-        #   finish it if reason is not None.
+        #   finish it (and stop there) if reason is not None.
         raise NotImplementedError("update_from_output: advance num_computed_tokens, append, "
                                   "finish on stop/length/error")
 

@@ -11,6 +11,8 @@
   `suffix`, `best_of`, audio...) are refused by name, never silently
   ignored; unknown fields are ignored, as OpenAI and vLLM do.
 
+The strict base (`StrictModel`, `Text`) is common/entrypoints/strict.py;
+the structured-output fields (ch06) are common/entrypoints/response_format.py.
 A refusal here becomes a 400 naming its `param` (common/entrypoints/middleware.py).
 What needs the model (token ids inside the vocabulary, the context length)
 is checked by the serving code, which knows the tokenizer. What the server
@@ -20,9 +22,6 @@ ch06, structured outputs: `response_format` (OpenAI's `text`,
 `json_object`, `json_schema`) and vLLM's `structured_outputs` extra
 (`json`, `json_object`, `regex`, `choice`, `grammar`) become one
 `StructuredOutputsParams` (`SamplingFields.structured_outputs_params`).
-A schema that is not valid JSON Schema is a 400 here (the `jsonschema`
-package checks it against its metaschema); one that xgrammar cannot
-compile is a 400 from the serving code, which compiles it off the event loop.
 
 Left out: tools/function calling, audio and images, the Responses API,
 vLLM's structural tags and whitespace options.
@@ -31,52 +30,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-import jsonschema
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from common.entrypoints.response_format import ResponseFormat, StructuredOutputsRequest
+from common.entrypoints.strict import INT64_MAX, INT64_MIN, StrictModel, Text, unsupported
 from common.sampling_params import StructuredOutputsParams
-
-INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # a seed is a 64-bit integer (torch.Generator)
-
-
-def unsupported(message: str) -> PydanticCustomError:
-    """A 400 for a field OpenAI has and this server does not implement."""
-    return PydanticCustomError("unsupported", message)
-
-
-# ----------------------------------------------------------------- text
-def valid_unicode(text: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate ("\\ud800"): not text, and no
-    tokenizer can encode it. Refuse it here, with the field's name."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError(
-            "invalid_unicode", "contains {char} at position {position}: a lone UTF-16 "
-            "surrogate is not valid Unicode text",
-            {"char": repr(text[exc.start]), "position": exc.start}) from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(valid_unicode)]
 
 
 # ---------------------------------------------------------------- requests
-class StrictModel(BaseModel):
-    """Strict types as OpenAI's (no "8" for 8, no true for 1, no NaN or
-    infinity for a number); unknown fields ignored."""
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
 class TextPart(StrictModel):
     type: Literal["text"] = "text"
     text: Text
@@ -126,75 +87,6 @@ class StreamOptions(StrictModel):
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
         return refuse_unless_default(cls, value, info)
-
-
-# -------------------------------------------------- structured outputs (ch06)
-def valid_json_schema(schema: dict) -> dict:
-    """A 400 for a schema that its metaschema refuses ({"type": "objekt"})."""
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise PydanticCustomError("invalid_json_schema", "is not a valid JSON Schema: {error}",
-                                  {"error": exc.message}) from None
-    return schema
-
-
-JsonSchema = Annotated[dict, AfterValidator(valid_json_schema)]
-
-
-class JsonSchemaFormat(StrictModel):
-    """OpenAI's `response_format.json_schema`."""
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Text | None = None
-    schema_: JsonSchema = Field(alias="schema")
-    strict: bool | None = None  # a grammar always holds the schema strictly: accepted as is
-
-
-class ResponseFormat(StrictModel):
-    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-    strict: bool | None = None  # misplaced: refused below
-
-    @model_validator(mode="after")
-    def _shape(self):
-        if self.strict is not None:
-            raise unsupported("strict belongs in response_format.json_schema, not in "
-                              "response_format itself.")
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise unsupported("response_format.json_schema is required when type is "
-                              "\"json_schema\", and allowed only then.")
-        return self
-
-    def params(self) -> StructuredOutputsParams | None:
-        if self.type == "json_schema":
-            return StructuredOutputsParams(json=self.json_schema.schema_)
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        return None
-
-
-class StructuredOutputsRequest(StrictModel):
-    """vLLM's `structured_outputs` request extra: exactly one constraint."""
-    json_: Union[JsonSchema, Text, None] = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: Text | None = None
-    choice: Annotated[list[Text], Field(min_length=1)] | None = None
-    grammar: Text | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        self.params()  # raises for none or several
-        return self
-
-    def params(self) -> StructuredOutputsParams:
-        try:
-            return StructuredOutputsParams(
-                json=self.json_, json_object=bool(self.json_object), regex=self.regex,
-                choice=tuple(self.choice) if self.choice is not None else None,
-                grammar=self.grammar)
-        except ValueError as exc:
-            raise unsupported(str(exc)) from None
 
 
 class SamplingFields(StrictModel):

@@ -6,8 +6,7 @@ to the engine (`AsyncLLM`). For every request it
 1. checks what needs the model, once, before queueing anything: the model
    name (404), token ids inside the vocabulary, the context length and the
    cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503),
-   and (ch06) compiles a structured output's grammar in a worker thread
-   (`compile_grammar`: a grammar xgrammar refuses is a 400);
+   a structured output's grammar (ch06, compiled in a worker thread);
 2. queues one engine request per choice: choice k is sample k % n of
    prompt k // n; sample s of a seeded request gets seed + s, so the n
    choices differ yet replay the same;
@@ -34,12 +33,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from common.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    RequestFailedError,
-    RequestStream,
-)
+from common.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from common.engine.llm_engine import DEFAULT_MAX_TOKENS, ContextLengthError, check_context_length
 from common.entrypoints.metrics import Metrics
 from common.entrypoints.middleware import APIError, internal_error
@@ -201,14 +195,11 @@ class OpenAIServing:
         return params
 
     async def compile_grammar(self, req: SamplingFields) -> None:
-        """ch06: compile the request's structured output, if any, in a worker
-        thread (the first compile of a schema takes milliseconds to seconds;
-        later ones are cache hits). xgrammar's refusal is a 400 naming the field."""
+        """ch06: compile a structured output in a worker thread (cached); refused: a 400."""
         params, param = req.structured_outputs_params()
-        if params is None:
-            return
         try:
-            await run_in_threadpool(self.engine.compile_grammar, params)
+            if params is not None:
+                await run_in_threadpool(self.engine.compile_grammar, params)
         except ValueError as exc:  # GrammarError
             raise APIError(400, str(exc), param=param) from None
 

@@ -1,15 +1,16 @@
 """Does each exercise's grader discriminate? (`make exercises-check`, CI.)
 
-For every chapter, the grading tests (`-m exNN`) run on the untouched
+For every exercise (01..06, and chapter 06's 06b and 06c: EXERCISES in
+tests/components.py), the grading tests (`-m exNN`) run on the untouched
 stubs of `NN-*/exercises/` (`--exercise NN`), where every one must fail,
 and fail because of the stub (NotImplementedError), not because of a
 broken test. That the same tests pass on the reference is what `make test`
 shows (they are part of it, so CI does not run them twice);
 `--reference` checks it here too (what `make exercise CH=NN REFERENCE=1`
-runs, for every chapter).
+runs, for every exercise).
 
-    python -m tests.check_exercises                 # every chapter's stub
-    python -m tests.check_exercises 04 05           # some
+    python -m tests.check_exercises                 # every exercise's stub
+    python -m tests.check_exercises 04 06b          # some
     python -m tests.check_exercises --reference     # and the references
 """
 from __future__ import annotations
@@ -70,6 +71,10 @@ def check(chapter: str, reference: bool) -> list[str]:
 def main(args: list[str]) -> int:
     reference = "--reference" in args
     chapters = [a for a in args if a != "--reference"] or list(EXERCISES)
+    unknown = [c for c in chapters if c not in EXERCISES]
+    if unknown:
+        print(f"no such exercise: {', '.join(unknown)} (there are {', '.join(EXERCISES)})")
+        return 2
     failed = False
     for chapter in chapters:
         problems = check(chapter, reference)

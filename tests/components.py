@@ -48,6 +48,11 @@ EXERCISES = {
                    ("ContinuousScheduler",), "common/engine/scheduler.py"),
     "06": Exercise("06", "06-openai-server", "metrics.py",
                    ("EngineCollector", "LatencyStatLogger"), "common/entrypoints/metrics.py"),
+    # chapter 06's second and third: structured outputs, speculative decoding
+    "06b": Exercise("06b", "06-openai-server", "token_bitmask.py",
+                    ("apply_token_bitmask",), "common/layers/token_bitmask.py"),
+    "06c": Exercise("06c", "06-openai-server", "rejection_sampler.py",
+                    ("rejection_sample",), "common/layers/rejection_sampler.py"),
 }
 
 

@@ -92,8 +92,9 @@ def wait_for(condition, what: str, timeout: float = 120.0) -> None:
 # ------------------------------------------------------------- exercises
 def pytest_addoption(parser):
     parser.addoption("--exercise", metavar="CH", default=None,
-                     help="grade the learner's component of chapter CH (01..06, from "
-                          "CH-*/exercises/) instead of the reference (make exercise CH=04)")
+                     help="grade the learner's component of exercise CH (01..06, 06b, 06c: "
+                          "tests/components.py's EXERCISES, from NN-*/exercises/) instead "
+                          "of the reference (make exercise CH=04)")
 
 
 @pytest.fixture(scope="session")

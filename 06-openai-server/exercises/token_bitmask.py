@@ -1,0 +1,66 @@
+"""Exercise 06b: a grammar's token mask on the logits (structured outputs).
+
+You write the one line of tensor work that makes `response_format`
+hold: before the sampler, every token the grammar does not allow at this
+position gets a logit of -inf. Temperature, top-k/p and the softmax then
+only ever see allowed tokens, and greedy picks the best allowed one.
+
+The grammar matcher (xgrammar's, common/engine/structured_output.py)
+says which tokens are allowed as a *bitmask*, 32 tokens per int32 word:
+
+    bitmask: (num_rows, ceil(vocab / 32)) int32
+    token t allowed  <=>  bit t % 32 of word t // 32 is 1
+    token 70 -> word 2, bit 6 -> allowed iff (bitmask[row, 2] >> 6) & 1
+
+Row i of the bitmask belongs to row i of the logits (one row per
+constrained sequence, or with speculative decoding one per position
+checked). The model runner calls `apply_token_bitmask(logits, bitmask)`
+on the rows of the step's constrained sequences (`apply_grammar_masks`
+in common/engine/model_runner.py), then samples as usual.
+
+Graded by `make exercise CH=06b` (the tests marked `ex06b` in
+tests/test_structured_outputs.py, which call your function: against
+xgrammar's own `apply_token_bitmask_inplace` on random masks, on the
+edge bits, on a vocabulary that is not a multiple of 32). The reference
+is common/layers/token_bitmask.py: peek only when stuck.
+exercises/README-06b.md has the tasks and hints.
+
+Given: `allocate_token_bitmask` (every bit set: every token allowed).
+Left out, as in the reference: a fused kernel (vLLM calls xgrammar's
+CUDA or Triton one; this works in plain PyTorch on any device).
+"""
+from __future__ import annotations
+
+import torch
+
+BITS_PER_WORD = 32
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """(num_rows, ceil(vocab / 32)) int32, every bit set (-1 is 32 ones in
+    two's complement): every token allowed until a grammar fills its row.
+    xgrammar's `xgr.allocate_token_bitmask` makes the same tensor."""
+    return torch.full((num_rows, -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask the logits in place; returns nothing.
+
+    logits:  (num_rows, vocab) float (float32, bfloat16...), changed in
+             place: every token whose bit is 0 gets float("-inf"); the
+             allowed tokens keep their logit exactly.
+    bitmask: (num_rows, ceil(vocab / 32)) int32, on the logits' device.
+             The last word may cover tokens past `vocab` (when vocab is not
+             a multiple of 32): ignore those bits.
+    """
+    # Hints (README-06b.md has more):
+    # - unpack every word into its 32 bits at once, with broadcasting:
+    #   shift (num_rows, words, 1) by torch.arange(32) (shape (32,)), then & 1
+    #   -> (num_rows, words, 32); bit j of word w is token w * 32 + j.
+    # - bit 31 is the sign bit: an arithmetic shift right copies it, which
+    #   is why the `& 1` matters.
+    # - reshape to (num_rows, words * 32), keep the first `vocab` columns,
+    #   then one masked_fill_ with the tokens NOT allowed.
+    # - in place: write into `logits` itself (masked_fill_), do not return a copy.
+    raise NotImplementedError("apply_token_bitmask: set the logit of every token whose bit "
+                              "is 0 to -inf, in place")

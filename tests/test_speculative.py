@@ -229,3 +229,19 @@ def test_penalties_logprobs_grammar_and_seeds_with_speculation(embedded):
     runs = [run(make_engine(embedded, speculative_config=SPEC), {"s": ids}, seeded)["s"]
             for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_offline_llm_takes_a_speculative_config(embedded):
+    """vLLM's offline spelling: LLM(speculative_config={...})."""
+    from common.entrypoints.llm import LLM
+    llm = LLM(loaded=embedded, speculative_config=SPEC, device_memory_gb=2.0)
+    assert llm.engine.config.speculative_config == SpeculativeConfig.parse(SPEC)
+    messages = [{"role": "user", "content": REPEAT}]
+    out = llm.chat(messages, greedy(32), use_tqdm=False)[0].outputs[0]
+    plain = LLM(loaded=embedded, device_memory_gb=2.0).chat(messages, greedy(32),
+                                                            use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain.token_ids
+    assert llm.engine.snapshot()["spec_decode_num_accepted_tokens"] > 0
+    from common.config import ConfigError
+    with pytest.raises(ConfigError, match="continuous batching"):
+        make_engine(embedded, policy="static", speculative_config=SPEC)  # ch03-04

@@ -115,8 +115,9 @@ class AsyncLLM:
         self.engine.check_request(num_prompt_tokens, params)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """ch06: compile a structured output's grammar (servers call it in a
-        worker thread; xgrammar's compiler and its cache are thread-safe)."""
+        """ch06: compile a structured output's grammar. Servers call it in a
+        worker thread, as vLLM calls one xgrammar compiler from a thread pool
+        (xgrammar compiles in parallel and caches what it compiled)."""
         self.engine.compile_grammar(params)
 
     def default_max_tokens(self, num_prompt_tokens: int, cap: int | None) -> int:

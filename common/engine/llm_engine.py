@@ -59,12 +59,17 @@ from functools import partial
 import torch
 
 from common.autoregressive import eos_token_ids
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.engine.block_manager import BlockManager, KVCacheUsage
 from common.engine.kv_cache import KVCache
 from common.engine.ngram_proposer import NgramProposer
 from common.engine.output_processor import OutputProcessor
-from common.engine.scheduler import ContinuousScheduler, ScheduledSeq, Scheduler
+from common.engine.scheduler import (
+    ContinuousScheduler,
+    ScheduledSeq,
+    Scheduler,
+    StaticScheduler,
+)
 from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, IterationStats
 from common.engine.structured_output import StructuredOutputManager
@@ -123,6 +128,9 @@ class LLMEngine:
         multiplies (default: `worker.quant_ops_for` the device). With
         `--quantization`, the model (`loaded`, if given) is quantized in place."""
         self.config = config
+        if config.speculative_config is not None and issubclass(scheduler_cls, StaticScheduler):
+            raise ConfigError("--speculative-config needs continuous batching (chapter 05 on): "
+                              "a static batch reserves no room for draft tokens.")
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
         self.tokenizer = self.loaded.tokenizer
@@ -367,16 +375,20 @@ class LLMEngine:
             "prefix_cache_hit_blocks": bm.prefix_hits,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "iteration_tokens": s.iteration_tokens.as_dict(),
-            # ch06: speculative decoding (zeros without --speculative-config)
-            "spec_decode_num_drafts": s.spec_decode_num_drafts,
-            "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(
-                s.spec_decode_num_accepted_tokens_per_pos),
-            "spec_decode_acceptance_rate": s.spec_decode_acceptance_rate,
+            **(self._spec_decode_snapshot() if self.proposer is not None else {}),  # ch06
             "finished": dict(s.finished),
             "card": self.worker.card.describe(),
         }
+
+    def _spec_decode_snapshot(self) -> dict:
+        """ch06: speculative decoding's counts (only with --speculative-config)."""
+        s = self.stats
+        return {"spec_decode_num_drafts": s.spec_decode_num_drafts,
+                "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(
+                    s.spec_decode_num_accepted_tokens_per_pos),
+                "spec_decode_acceptance_rate": s.spec_decode_acceptance_rate}
 
     def _maybe_log(self, idle: bool) -> None:
         """vLLM's periodic line: throughput, queues, KV usage, preemptions.

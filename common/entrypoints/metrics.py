@@ -32,7 +32,7 @@ ch06, speculative decoding: vLLM's counters `vllm:spec_decode_num_drafts`,
 `_num_draft_tokens`, `_num_accepted_tokens` and `_num_accepted_tokens_per_pos`
 (label `position`), and the acceptance rate as a gauge under vLLM v0's
 name, `vllm:spec_decode_draft_acceptance_rate` (v1 leaves the division to
-the dashboard): all zeros without `--speculative-config`.
+the dashboard); as in vLLM, they exist only with `--speculative-config`.
 
 Left out: the LoRA, KV-connector and multimodal metrics, the per-request preemption and prefill-KV histograms, and
 per-engine labels (one engine here).

@@ -1,0 +1,179 @@
+"""Structured outputs, measured (ch06): compile times, and what a grammar costs a step.
+
+    python -m bench.structured_outputs                 # float32, 32 sequences
+    python -m bench.structured_outputs --dtype bfloat16 --seqs 64
+
+In process (no HTTP), on the embedded model:
+
+1. compile times: xgrammar's `TokenizerInfo` for the vocabulary (once per
+   engine), then each schema below compiled cold, and again (a cache hit:
+   what every later request with the same schema pays);
+2. the cost per step: `--seqs` greedy requests decode together, first
+   free (EOS ignored, `--max-tokens`), then each under a JSON schema. For
+   every step where all of them run, it records the step's time and, by
+   wrapping the engine's functions, the grammar's part of it: filling and
+   applying the bitmask (`ModelRunner.apply_grammar_masks`) and advancing
+   each matcher (`StructuredOutputGrammar.accept_token`).
+
+Results: bench/results/DATE-HOST-structured-outputs.{json,md}: medians,
+and the constrained step against the free one, measured in the same run.
+
+Left out: the served figures (the HTTP layer adds the same to both).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import xgrammar as xgr
+
+from bench.bench import bf16_words, machine, write_results
+from bench.loadtest import PROMPTS, ROOT
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.structured_output import StructuredOutputGrammar
+from common.loader import apply_chat_template, load_model
+from common.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMAS = {
+    "enum": {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}},
+             "required": ["answer"]},
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "format": "email"}},
+        "required": ["name", "age"]},
+    "nested_list": {"type": "object", "properties": {
+        "title": {"type": "string"},
+        "items": {"type": "array", "maxItems": 20, "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+            "required": ["name", "quantity"]}}},
+        "required": ["title", "items"]},
+}
+LONG_SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "items": {
+    "type": "string", "maxLength": 12}, "minItems": 40}}, "required": ["words"]}
+
+
+def compile_times(loaded) -> dict:
+    start = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(loaded.tokenizer,
+                                              vocab_size=loaded.model.config.vocab_size)
+    times = {"tokenizer_info_s": time.perf_counter() - start, "schemas": {}}
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    for name, schema in SCHEMAS.items():
+        text = json.dumps(schema)
+        start = time.perf_counter()
+        compiler.compile_json_schema(text)
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        compiler.compile_json_schema(text)
+        times["schemas"][name] = {"cold_s": cold, "cached_s": time.perf_counter() - start}
+    return times
+
+
+class GrammarClock:
+    """Wall time spent in the grammar's functions, reset every step."""
+
+    def __init__(self, engine: LLMEngine):
+        self.seconds = 0.0
+        runner = engine.worker.model_runner
+        runner.apply_grammar_masks = self.timed(runner.apply_grammar_masks)
+        self.accept = StructuredOutputGrammar.accept_token
+        StructuredOutputGrammar.accept_token = self.timed(self.accept)
+
+    def timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return wrapper
+
+    def restore(self) -> None:
+        StructuredOutputGrammar.accept_token = self.accept
+
+
+def step_times(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+               num_seqs: int) -> dict:
+    """Run the requests; the time of each step where all `num_seqs` decode,
+    and the grammar's part of it."""
+    clock = GrammarClock(engine)
+    for i in range(num_seqs):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompts[i % len(prompts)], params)
+    steps, grammar = [], []
+    try:
+        while engine.has_unfinished_requests():
+            full = len(engine.scheduler.running) == num_seqs and all(
+                s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running)
+            clock.seconds = 0.0
+            start = time.perf_counter()
+            engine.step()
+            if full:
+                steps.append(time.perf_counter() - start)
+                grammar.append(clock.seconds)
+    finally:
+        clock.restore()
+    return {"steps": len(steps), "step_ms": 1e3 * statistics.median(steps),
+            "grammar_ms": 1e3 * statistics.median(grammar)}
+
+
+def markdown(rec: dict) -> str:
+    m, c = rec["machine"], rec["compile"]
+    lines = ["# Structured outputs: compile times and the cost per step", "",
+             f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
+             f"{rec['dtype']}, `{rec['command']}`; xgrammar {rec['xgrammar']}.", "",
+             f"xgrammar's TokenizerInfo for the 49,152-token vocabulary: "
+             f"{c['tokenizer_info_s'] * 1e3:.0f} ms (once per engine).", "",
+             "| schema | first compile | again (cache hit) |", "|---|---|---|"]
+    for name, t in c["schemas"].items():
+        lines.append(f"| {name} | {t['cold_s'] * 1e3:.1f} ms | {t['cached_s'] * 1e3:.3f} ms |")
+    free, con = rec["free"], rec["constrained"]
+    lines += ["", f"A decode step of {rec['seqs']} sequences (median over the steps where all "
+              "of them decode):", "",
+              "| rows | steps | step | of which grammar |", "|---|---|---|---|",
+              f"| free | {free['steps']} | {free['step_ms']:.1f} ms | {free['grammar_ms']:.2f} ms |",
+              f"| constrained (JSON schema) | {con['steps']} | {con['step_ms']:.1f} ms | "
+              f"{con['grammar_ms']:.2f} ms |", "",
+              f"Constrained step / free step: **{con['step_ms'] / free['step_ms']:.2f}x**; "
+              f"the grammar's own work is {con['grammar_ms'] / con['step_ms']:.1%} of a "
+              "constrained step.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    loaded = load_model("smollm2", dtype=args.dtype, device="cpu")
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, device_memory_gb=2.0,
+                                    enable_prefix_caching=True), loaded=loaded)
+    prompts = [apply_chat_template(loaded.tokenizer, [{"role": "user", "content":
+               f"{q} Answer with a JSON list of at least 40 words."}]) for q in PROMPTS]
+    grammar = StructuredOutputsParams(json=LONG_SCHEMA)
+    engine.compile_grammar(grammar)
+    step_times(engine, prompts, SamplingParams(temperature=0, max_tokens=8), args.seqs)  # warm
+    free = step_times(engine, prompts, SamplingParams(
+        temperature=0, max_tokens=args.max_tokens, ignore_eos=True), args.seqs)
+    constrained = step_times(engine, prompts, SamplingParams(
+        temperature=0, max_tokens=args.max_tokens, structured_outputs=grammar), args.seqs)
+    rec = {"date": str(datetime.date.today()), "machine": machine(), "dtype": args.dtype,
+           "seqs": args.seqs, "xgrammar": xgr.__version__, "compile": compile_times(loaded),
+           "free": free, "constrained": constrained,
+           "command": "python -m bench.structured_outputs" + (f" {' '.join(argv)}" if argv else "")}
+    write_results(args.out_dir, "structured-outputs", rec, markdown(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

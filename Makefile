@@ -48,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -101,6 +101,12 @@ fairness: $(STAMP) ## BEFORE=<git rev>: can one client slow, block or starve the
 
 levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
 	$(PY) -m bench.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
+
+bench-spec: $(STAMP) ## speculative decoding: ch06 with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (~5 min)
+	$(PY) -m bench.spec_decode
+
+bench-structured: $(STAMP) ## structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)
+	$(PY) -m bench.structured_outputs
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
 	nice -n 19 $(PY) -m bench.llamacpp build --jobs $(or $(JOBS),2)

@@ -275,3 +275,22 @@ def test_curl_shaped_request_validates_and_bad_ones_name_their_param(server):
         assert response.status_code == 400, (extra, response.text)
         assert response.json()["error"]["param"] == param, (extra, response.text)
     assert post(server, {**chat, "response_format": {"type": "text"}}).status_code == 200
+
+
+def test_speculative_metrics_on_metrics_and_stats(server):
+    """The server runs with --speculative-config: a request that copies its
+    prompt gets drafts accepted, counted under vLLM's names."""
+    from tests.test_speculative import REPEAT
+    answer = post(server, {"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48,
+                           "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    stats = requests.get(server.url + "/stats", timeout=10).json()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_acceptance_rate"] == pytest.approx(
+        stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"])
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total",
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2",'
+                 'position="0"}', "vllm:spec_decode_draft_acceptance_rate"):
+        assert name in metrics, name

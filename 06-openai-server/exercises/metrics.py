@@ -29,10 +29,10 @@ reference is common/entrypoints/metrics.py: peek only when stuck.
 exercises/README.md has the tasks in order and hints.
 
 Given: `LatencyStatLogger.__init__`. Left out of the exercise, done by
-the reference: the tokens-per-step histogram (its collector), the
-histograms of each request's tokens, parameters and prefill, decode and
-inference times (`Metrics.record`, `Metrics.record_parent`). Left out of
-both: the speculative-decoding and LoRA metrics.
+the reference: the tokens-per-step histogram and the speculative-decoding
+counters (its collector), the histograms of each request's tokens,
+parameters and prefill, decode and inference times (`Metrics.record`,
+`Metrics.record_parent`). Left out of both: the LoRA metrics.
 """
 from __future__ import annotations
 

@@ -26,10 +26,11 @@ builds `target_probs` (penalties, temperature, top-k/p and the grammar's
 mask already applied: the same p as the plain sampler would use) and
 calls `rejection_sample` for each sequence that is sampled, not greedy.
 
-Graded by `make exercise CH=06c` (the tests marked `ex06c` in
-tests/test_speculative.py, which call your function: one-hot rows,
-zero-probability drafts, the bonus token, and a statistical check that
-the first emitted token follows p over many trials). The reference is
+Graded by `make exercise CH=06c` (the 3 tests marked `ex06c` in
+tests/test_speculative.py, which call your function: over 20,000 trials
+the first token emitted follows p, and after an accepted draft the next
+one follows the next row; one-hot rows behave as greedy, with the bonus
+token, and a seeded generator replays). The reference is
 `rejection_sample` in common/layers/rejection_sampler.py: peek only when
 stuck. exercises/README-06c.md has the tasks and hints.
 

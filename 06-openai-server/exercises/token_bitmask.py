@@ -18,11 +18,13 @@ checked). The model runner calls `apply_token_bitmask(logits, bitmask)`
 on the rows of the step's constrained sequences (`apply_grammar_masks`
 in common/engine/model_runner.py), then samples as usual.
 
-Graded by `make exercise CH=06b` (the tests marked `ex06b` in
+Graded by `make exercise CH=06b` (the 7 tests marked `ex06b` in
 tests/test_structured_outputs.py, which call your function: against
-xgrammar's own `apply_token_bitmask_inplace` on random masks, on the
-edge bits, on a vocabulary that is not a multiple of 32). The reference
-is common/layers/token_bitmask.py: peek only when stuck.
+xgrammar's own `apply_token_bitmask_inplace` on random masks, float32
+and bfloat16, vocabularies of 49,152, 100 and 33 tokens; then in a plain
+generation loop of the embedded model, where every sampled answer must
+validate against its JSON schema). The reference is
+common/layers/token_bitmask.py: peek only when stuck.
 exercises/README-06b.md has the tasks and hints.
 
 Given: `allocate_token_bitmask` (every bit set: every token allowed).

@@ -106,7 +106,8 @@ def test_ngram_proposer():
     assert proposer.propose([1, 2, 9, 1, 2, 7, 7, 1, 2]) == [7, 7, 1]  # the most recent
     assert proposer.propose([5, 6, 7, 8]) == []  # no match: nothing
     assert proposer.propose([1, 2, 3, 4, 1, 2], max_tokens=1) == [3]
-    assert proposer.propose([4, 4, 4, 4]) == [4]  # the overlapping copy, up to the end
+    assert proposer.propose([4, 4, 4, 4]) == [4, 4, 4]  # an overlapping copy goes on
+    assert proposer.propose([5, 1, 2, 1, 2]) == [1, 2, 1]  # past the end: period 2
     assert NgramProposer(2, 4, 1).propose([3, 9, 3]) == [9, 3]  # down to one token
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).prompt_lookup_min == 5
     with pytest.raises(ValueError, match="method"):

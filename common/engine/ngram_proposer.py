@@ -11,12 +11,17 @@ propose the tokens that followed them there:
 
 n runs from `prompt_lookup_max` down to `prompt_lookup_min` (a longer
 match is a better guess); no match proposes nothing, and the sequence
-decodes one token as usual. The proposals are only guesses: one forward
+decodes one token as usual. Where the copy reaches the end of the text
+(the match is recent, or overlaps the last tokens, as in "ha ha ha"), it
+goes on copying what it has just proposed: the text is taken to repeat
+with the same period, so a run still gets k drafts. The proposals are only guesses: one forward
 pass then checks them all (common/layers/rejection_sampler.py), so a
 wrong guess costs compute, never correctness.
 
-vLLM's file: vllm/v1/spec_decode/ngram_proposer.py (it searches with KMP
-in numba over a batch; this is a plain scan per sequence, O(length x n)).
+vLLM's file: vllm/v1/spec_decode/ngram_proposer.py. It searches with KMP
+in numba over a batch, and takes the *earliest* occurrence of the longest
+match; this is a plain scan per sequence, O(length x n), and takes the
+most recent one (the nearer context, as the issue that added it asks).
 
 Left out: draft models, EAGLE and MTP heads (their proposals come from
 another forward pass), suffix decoding.
@@ -40,9 +45,17 @@ class NgramProposer:
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             start = find_latest(token_ids, n)
             if start is not None:
-                follow = start + n
-                return token_ids[follow:follow + k]
+                return copy_from(token_ids, start + n, k)
         return []
+
+
+def copy_from(token_ids: list[int], follow: int, k: int) -> list[int]:
+    """The k tokens from position `follow` on; past the end, the copy goes
+    on with its own output (period len(token_ids) - follow)."""
+    text = list(token_ids)
+    for i in range(k):
+        text.append(text[follow + i])  # follow + i < len(text): always defined
+    return text[len(token_ids):]
 
 
 def find_latest(token_ids: list[int], n: int) -> int | None:

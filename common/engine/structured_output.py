@@ -46,6 +46,7 @@ it before queueing), jump-forward decoding.
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import xgrammar as xgr
@@ -132,8 +133,10 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar(choice_grammar(params.choice))
             return self.compiler.compile_grammar(params.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others
+            # xgrammar's C++ message starts "[08:00:45] /project/cpp/file.cc:83: ": drop that
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
             raise GrammarError(f"xgrammar could not compile this {params.kind}: "
-                               f"{str(exc).strip()[:500]}") from None
+                               f"{reason[:500]}") from None
 
     def grammar_for(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A fresh matcher for one sequence (the compile is a cache hit)."""

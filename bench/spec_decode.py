@@ -2,9 +2,11 @@
 
     python -m bench.spec_decode                  # float32, K=4, 1 and 32 clients
     python -m bench.spec_decode --dtype bfloat16 --clients 1 8 32
+    python -m bench.spec_decode --schedule '[[1, 8, 4], [9, 1024, 0]]' --tag schedule
 
 One run, one machine: chapter 06 is started twice, without and then with
-`--speculative-config` (method ngram, `--k` drafts, lookup 4..2), and each
+`--speculative-config` (method ngram, `--k` drafts, lookup 4..2, and
+`--schedule` as its `num_speculative_tokens_per_batch_size`), and each
 server gets the same loads, greedy, `--max-tokens` at most (answers end at
 EOS, as a user's would):
 
@@ -20,7 +22,7 @@ the drafts (from the server's /stats counters, before and after the
 load), the mean tokens per verification step, and whether each answer's
 text is the same with and without speculation (greedy: it must be).
 
-Results: bench/results/DATE-HOST-spec-decode.{json,md}, with the ratio
+Results: bench/results/DATE-HOST-spec-decode[-TAG].{json,md}, with the ratio
 of tokens/s with speculation to without, measured in the same run.
 
 Left out: sampled (temperature > 0) loads, other proposers.
@@ -125,8 +127,10 @@ def measure(args, spec: dict | None, log_dir: Path) -> list[dict]:
 
 def markdown(rec: dict) -> str:
     m = rec["machine"]
-    lines = [f"# Speculative decoding (n-gram, K={rec['spec']['num_speculative_tokens']}), "
-             "chapter 06 with and without",
+    schedule = rec["spec"].get("num_speculative_tokens_per_batch_size")
+    lines = [f"# Speculative decoding (n-gram, K={rec['spec']['num_speculative_tokens']}"
+             + (f", by batch size {schedule}" if schedule else "")
+             + "), chapter 06 with and without",
              "",
              f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
              f"{rec['dtype']}, `{rec['command']}`; greedy, at most {rec['max_tokens']} tokens "
@@ -173,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=6,
                         help="requests one after the other at 1 client")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--schedule", type=json.loads, default=None,
+                        help="num_speculative_tokens_per_batch_size, as JSON: [[first, last, k], ...]")
+    parser.add_argument("--tag", default="", help="a suffix for the results file")
     parser.add_argument("--card", type=float, default=2.0)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}
+    if args.schedule is not None:
+        spec["num_speculative_tokens_per_batch_size"] = args.schedule
     log_dir = Path("/tmp/spec-decode-logs")
     log_dir.mkdir(exist_ok=True)
     plain = measure(args, None, log_dir)
@@ -187,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = {"date": str(datetime.date.today()), "machine": machine(), "dtype": args.dtype,
            "spec": spec, "max_tokens": args.max_tokens, "command": command,
            "rows": pair(plain, with_spec)}
-    write_results(args.out_dir, "spec-decode", rec, markdown(rec))
+    write_results(args.out_dir, "spec-decode" + (f"-{args.tag}" if args.tag else ""), rec,
+                  markdown(rec))
     return 0
 
 

@@ -28,11 +28,18 @@ class SpeculativeConfig:
     last `prompt_lookup_max` .. `prompt_lookup_min` tokens appeared earlier
     proposes the (up to) `num_speculative_tokens` tokens that followed
     them; one forward pass checks them all (common/engine/ngram_proposer.py,
-    common/layers/rejection_sampler.py)."""
+    common/layers/rejection_sampler.py).
+
+    `num_speculative_tokens_per_batch_size` (vLLM's dynamic schedule): a
+    list of [first, last, k] ranges of running sequences, inclusive; a
+    step with that many sequences proposes up to k drafts each (0: none),
+    so speculation can stop where the batch alone fills the machine. A
+    batch size outside every range uses `num_speculative_tokens`."""
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -47,6 +54,29 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         object.__setattr__(self, "prompt_lookup_max", lookup_max)
         object.__setattr__(self, "prompt_lookup_min", lookup_min)
+        if self.num_speculative_tokens_per_batch_size is not None:
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                               self._schedule(self.num_speculative_tokens_per_batch_size))
+
+    def _schedule(self, ranges) -> tuple[tuple[int, int, int], ...]:
+        schedule = []
+        for entry in ranges:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise ValueError("each num_speculative_tokens_per_batch_size entry is "
+                                 "[first, last, k]")
+            first, last, k = (int(v) for v in entry)
+            if not 1 <= first <= last or not 0 <= k <= self.num_speculative_tokens:
+                raise ValueError(f"bad schedule entry {list(entry)}: need 1 <= first <= last "
+                                 f"and 0 <= k <= num_speculative_tokens")
+            schedule.append((first, last, k))
+        return tuple(sorted(schedule))
+
+    def num_speculative_tokens_for(self, batch_size: int) -> int:
+        """Drafts per sequence for a step of `batch_size` running sequences."""
+        for first, last, k in self.num_speculative_tokens_per_batch_size or ():
+            if first <= batch_size <= last:
+                return k
+        return self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":

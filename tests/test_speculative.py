@@ -169,7 +169,7 @@ def test_under_preemption_and_when_every_draft_is_wrong(embedded, prompt_set):
     assert engine.scheduler.num_preemptions > 0
     assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
     wrong = make_engine(embedded, speculative_config=SPEC, enable_prefix_caching=True)
-    wrong.proposer.propose = lambda token_ids, max_tokens=None: [0] * min(4, max_tokens)
+    wrong.proposer.propose = lambda token_ids, max_tokens, k: [0] * min(k, max_tokens)
     spec = run(wrong, prompts, greedy(40), on_step=check_accounting)
     assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
     stats = wrong.snapshot()
@@ -246,3 +246,25 @@ def test_offline_llm_takes_a_speculative_config(embedded):
     from common.config import ConfigError
     with pytest.raises(ConfigError, match="continuous batching"):
         make_engine(embedded, policy="static", speculative_config=SPEC)  # ch03-04
+
+
+def test_a_batch_size_schedule_sets_k(embedded, prompt_set):
+    """vLLM's num_speculative_tokens_per_batch_size: up to 4 drafts while 3
+    sequences or fewer run, 1 from 4 on; the tokens stay greedy's."""
+    prompts = dict(list(prompt_set.items())[:6])
+    plain = run(make_engine(embedded), prompts, greedy(40))
+    spec = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 64, 1]]}
+    engine = make_engine(embedded, speculative_config=spec)
+    asked, propose = [], engine.proposer.propose
+
+    def recording(token_ids, max_tokens=None, k=None):
+        asked.append((len(engine.scheduler.running), k))
+        return propose(token_ids, max_tokens, k)
+
+    engine.proposer.propose = recording
+    got = run(engine, prompts, greedy(40))
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert {k for n, k in asked if n >= 4} == {1} and {k for n, k in asked if n <= 3} == {4}
+    with pytest.raises(ValueError, match="schedule"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2,
+                                 "num_speculative_tokens_per_batch_size": [[1, 8, 3]]})

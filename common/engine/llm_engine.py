@@ -277,15 +277,18 @@ class LLMEngine:
 
     # ------------------------------------------ ch06: speculative decoding
     def _propose_drafts(self) -> None:
-        """Drafts for every sequence that decodes next step: never more than
-        its answer has room for (the step may also add a bonus token)."""
-        for seq in self.scheduler.running:
-            if seq.num_computed_tokens != seq.num_tokens - 1:
-                seq.spec_token_ids = []  # still prefilling
+        """Drafts for every sequence that decodes next step: as many as the
+        batch size's schedule allows, never more than its answer has room
+        for (the step may also add a bonus token)."""
+        running = self.scheduler.running
+        k = self.config.speculative_config.num_speculative_tokens_for(len(running))
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or k == 0:
+                seq.spec_token_ids = []  # still prefilling, or no drafts at this batch size
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens,
                        self.max_model_len - seq.num_tokens) - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room, k)
 
     def _count_drafts(self, batch: list[ScheduledSeq], sampled: dict) -> None:
         """vLLM's spec-decode counters: drafts checked, and accepted (the

@@ -36,10 +36,13 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.min_n = prompt_lookup_min
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None,
+                k: int | None = None) -> list[int]:
         """Up to `min(k, max_tokens)` draft tokens to follow `token_ids`
-        (prompt + output so far), or [] when no n-gram matches."""
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        (prompt + output so far), or [] when no n-gram matches. `k`: this
+        step's number (default: the configured one)."""
+        k = self.k if k is None else k
+        k = k if max_tokens is None else min(k, max_tokens)
         if k <= 0:
             return []
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):

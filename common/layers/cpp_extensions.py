@@ -2,8 +2,16 @@
 
 Each is one file in common/layers/csrc/ that PyTorch compiles into a Python
 module (torch.utils.cpp_extension.load: g++ and PyTorch's headers, about
-30 s a file on two cores) and caches under ~/.cache/torch_extensions, so
-later processes only load it. `make setup` builds them all once.
+30 s a file on two cores) and caches in this checkout's
+.cache/torch_extensions/ (git ignores it), so later processes only load
+it, and two checkouts never rebuild over each other. `make setup` builds
+them all once.
+
+A build killed halfway (Ctrl-C at a server's first start) would leave
+torch's lock file behind, and every later start would wait on it
+forever. So a build holds an OS file lock of its own (`fcntl.flock`, let
+go by the kernel when its process dies, however it dies); whoever holds
+it is the only builder, and removes a lock file that a dead build left.
 
 - paged_attention_cpu: decode attention reading the paged cache in place
   (common/layers/cpu_attention.py);
@@ -15,6 +23,7 @@ architectures' flags.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -24,6 +33,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
+BUILD_ROOT = Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"
 # -O3 -march=native: this CPU's vector instructions; -fopenmp: at::parallel_for
 # spreads the rows over torch's intra-op threads.
 COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -50,8 +60,14 @@ def build(name: str):
     """Compile (or load the cached) csrc/NAME.cpp; returns its Python module."""
     from torch.utils.cpp_extension import load
     ninja_on_path()
-    return load(name=f"course_{name}", sources=[str(CSRC / f"{name}.cpp")],
-                extra_cflags=list(FLAGS[name]), verbose=False)
+    build_dir = BUILD_ROOT / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "builder.flock", "w") as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)  # one builder at a time; freed if it dies
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+        return load(name=f"course_{name}", sources=[str(CSRC / f"{name}.cpp")],
+                    extra_cflags=list(FLAGS[name]), build_directory=str(build_dir),
+                    verbose=False)
 
 
 def build_all() -> list[str]:

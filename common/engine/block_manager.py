@@ -173,9 +173,7 @@ class BlockManager:
         the block of seq's last token). Never shared, never cached: a block
         is cached once full of computed tokens, and these hold none."""
         while len(seq.block_table) > self.blocks_needed(seq.num_tokens):
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            self.free_blocks[block.block_id] = None
+            self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that this step filled (full and computed) in
@@ -193,15 +191,20 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Give back seq's blocks (a shared block stays until its last user)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-            else:
-                self.num_shared_refs -= 1
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0  # writer: preemption or finish (the K/V are gone)
         seq.num_registered_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        """One reader fewer: the block goes back to the free list once it
+        has none (a shared block stays)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+        else:
+            self.num_shared_refs -= 1
 
     # ------------------------------------------------------- accounting
     def usage(self, seqs: list[Sequence]) -> KVCacheUsage:

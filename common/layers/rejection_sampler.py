@@ -43,7 +43,7 @@ from common.layers.sampler import (
     SampledToken,
     SamplingFailed,
     sampled_token,
-    filter_logits,
+    sampling_probs,
 )
 
 
@@ -118,8 +118,7 @@ class RejectionSampler:
         if p.greedy:
             tokens = greedy_verify(adjusted.argmax(dim=-1).tolist(), drafts)
         else:
-            probs = torch.stack([torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
-                                 for row in adjusted])  # (k + 1, vocab)
+            probs = torch.stack([sampling_probs(row, p) for row in adjusted])  # (k + 1, vocab)
             tokens = rejection_sample(probs, drafts, state.generator)
         if p.logprobs is None:
             return [SampledToken(t) for t in tokens]

@@ -149,6 +149,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: (vocab,), adjusted -> the distribution a sampled (not greedy)
+    row draws from: temperature, then top-k, top-p, min-p, then softmax.
+    The rejection sampler (ch06) checks drafts against this same p."""
+    return torch.softmax(filter_logits(logits / params.temperature, params), dim=-1)
+
+
 def sampled_token(logprobs: torch.Tensor, token_id: int, k: int | None) -> SampledToken:
     if k is None:
         return SampledToken(token_id)
@@ -201,6 +208,5 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(row))
         else:
-            probs = torch.softmax(filter_logits(row / p.temperature, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=state.generator))
+            token = int(torch.multinomial(sampling_probs(row, p), 1, generator=state.generator))
         return sampled_token(logprobs, token, p.logprobs)

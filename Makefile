@@ -48,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -83,7 +83,8 @@ loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=fl
 	$(PY) -m bench.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \
 	  --max-tokens $(MAX_TOKENS) --device-memory-gb $(CARD) --dtype $(DTYPE) $(if $(STREAM),--stream,)
 
-serve: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 DTYPE=float32: run one chapter's server
+# serve passes CARD only when given: without it, the server's own default card.
+serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; without CARD the server's default: 2 GiB on the CPU, the whole GPU on CUDA): run one chapter's server
 	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
 	  $(call given,CARD,--device-memory-gb)
 
@@ -107,6 +108,12 @@ bench-spec: $(STAMP) ## speculative decoding: ch06 with and without n-gram draft
 
 bench-structured: $(STAMP) ## structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)
 	$(PY) -m bench.structured_outputs
+
+figures: $(STAMP) ## every results .md written again from its .json; then every figure on the pages checked against its file
+	$(PY) -m bench.figures
+
+samples: $(STAMP) ## the sample outputs the pages quote (answers, /stats, log lines, traces), from real runs (~5 min)
+	$(PY) -m bench.samples
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
 	nice -n 19 $(PY) -m bench.llamacpp build --jobs $(or $(JOBS),2)

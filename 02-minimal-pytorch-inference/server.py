@@ -36,7 +36,8 @@ from common.memory import (Card, activation_bytes_estimate, format_bytes,  # noq
                            static_cache_bytes)
 from common.sampling_params import SAMPLING_EPS  # noqa: E402
 
-args = parse_server_args(server_parser("Chapter 02: the naive model.generate server"))
+# ch02: the flags of later chapters (--quantization, ...) are refused, not ignored.
+args = parse_server_args(server_parser("Chapter 02: the naive model.generate server"), "02")
 MODEL_NAME = args.served_model_name or args.model
 
 lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)

@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench.bench import machine
+from bench.bench import bf16_words, machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -178,8 +178,8 @@ def markdown(rec: dict) -> str:
              f"Command: `{rec['command']}`. Embedded SmolLM2-135M-Instruct, card "
              f"{s['card_gb']} GiB (simulated), {s['clients']} requests at once x "
              f"{s['max_tokens']} greedy tokens (EOS ignored), in-process engine. "
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-             f"`--dtype auto` picks {rec['dtype_auto']} here.", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores ({bf16_words(m)}), torch {m['torch']}; "
+             f"`--dtype auto` picks {rec.get('dtype_auto', '(not recorded)')} here.", "",
              "| lever | weights MiB (per rank) | KV blocks (x float32) | sequences that fit "
              "| output tok/s (x float32) | tokens as float32 | completions as float32 "
              "| perplexity |",

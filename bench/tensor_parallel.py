@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bench.bench import machine
+from bench.bench import bf16_words, machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -140,7 +140,7 @@ def markdown(rec: dict) -> str:
              f"hidden 576, 9 heads, 3 KV heads), float32, a {s['card_gb']} GiB card per "
              f"rank (simulated), {s['clients']} requests at once x {s['max_tokens']} greedy "
              f"tokens (EOS ignored), in-process engine, gloo. Machine: {m['cpu']}, "
-             f"{m['cores']} cores, torch {m['torch']}; load average "
+             f"{m['cores']} cores ({bf16_words(m)}), torch {m['torch']}; load average "
              f"{rec['load_average_at_start']:.2f} at the start.", "",
              "## The cards", "",
              "| TP | rank | weights MiB | room for blocks | blocks kept | KiB a block | KV MiB |",

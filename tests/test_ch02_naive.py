@@ -2,6 +2,8 @@
 import gc
 import http.client
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -10,8 +12,9 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from bench.loadtest import format_table, send_one, summarize
+from common.entrypoints.cli_args import refuse_later_flags, server_parser
 from common.memory import Card, MiB
-from tests.conftest import PROMPTS, openai_client, wait_for
+from tests.conftest import PROMPTS, ROOT, openai_client, wait_for
 from tests.test_ch01_foundation import assert_bad_input_rejected
 
 pytestmark = pytest.mark.ch02
@@ -68,6 +71,49 @@ def test_demo_card_holds_one_request_but_not_two(embedded, impl):
     assert one_request == 46080 * 8192  # 360 MiB, whatever the prompt's length
     assert card.free_bytes() > one_request
     assert card.free_bytes() < 2 * one_request
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+@pytest.mark.parametrize("argv, flag, chapter", [
+    (["--block-size", "8"], "--block-size", "04"),
+    (["--enable-prefix-caching"], "--enable-prefix-caching", "04"),
+    (["--long-prefill-token-threshold", "64"], "--long-prefill-token-threshold", "05"),
+    (["--enforce-eager"], "--enforce-eager", "05"),
+    (["-q", "int8"], "--quantization", "06"),
+    (["-tp", "2"], "--tensor-parallel-size", "06"),
+    (["--speculative-config", SPEC], "--speculative-config", "06"),
+])
+def test_chapter_02_refuses_the_flags_of_later_chapters(argv, flag, chapter, capsys):
+    parser = server_parser("Chapter 02")
+    with pytest.raises(SystemExit) as info:
+        refuse_later_flags(parser, parser.parse_args(argv), "02")
+    assert info.value.code == 2  # argparse's usage error
+    assert (f"error: {flag} is not implemented in chapter 02: chapter {chapter} adds it"
+            in capsys.readouterr().err)
+
+
+def test_chapter_02_accepts_later_flags_left_at_their_defaults():
+    """They change nothing; `make bench` passes the scheduler's limits to
+    every chapter alike (chapter 02 has no scheduler: they do nothing)."""
+    parser = server_parser("Chapter 02")
+    args = parser.parse_args(["--tensor-parallel-size", "1", "--no-enable-prefix-caching",
+                              "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"])
+    refuse_later_flags(parser, args, "02")  # no SystemExit
+
+
+def test_the_server_refuses_quantization_before_loading_the_model():
+    """`server.py --quantization int8` stops at once with exit code 2: it
+    neither ignores the flag nor loads the model first (the card line that
+    follows the load is never printed)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "02-minimal-pytorch-inference" / "server.py"),
+         "--quantization", "int8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert ("error: --quantization is not implemented in chapter 02: chapter 06 adds it"
+            in result.stderr)
+    assert "[ch02]" not in result.stdout
 
 
 @pytest.fixture(scope="module")

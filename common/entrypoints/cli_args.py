@@ -4,7 +4,8 @@
 (common/entrypoints/launcher.py) and the engine flags (common/config.py).
 `api_server_parser` adds chapter 06's `--api-key`, `--max-waiting` and
 `--disable-fastapi-docs`. `build_engine` turns a flag that does not fit
-the model (`--tensor-parallel-size 2` for 9 heads) into a usage error.
+the model (`--tensor-parallel-size 2` for 9 heads) into a usage error, and
+`refuse_later_flags` a flag of a later chapter given to chapter 02.
 
 Left out: vLLM's config files (`--config`), SSL flags, `--uds`.
 """
@@ -47,9 +48,34 @@ def api_server_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_server_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+# The flags of later chapters, and the chapter that adds each: chapter 02
+# refuses them rather than ignore them. Not here: --max-num-seqs and
+# --max-num-batched-tokens, which `make bench` passes to every chapter alike
+# (chapter 02 has no scheduler for them to limit).
+FLAG_CHAPTERS = {"--block-size": "04", "--enable-prefix-caching": "04",
+                 "--long-prefill-token-threshold": "05", "--enforce-eager": "05",
+                 "--quantization": "06", "--tensor-parallel-size": "06",
+                 "--speculative-config": "06"}
+
+
+def refuse_later_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       chapter: str) -> None:
+    """ch02: a usage error (exit 2) for a flag that a later chapter adds, set
+    to anything but its default (left at it, it changes nothing)."""
+    for flag, adds in FLAG_CHAPTERS.items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        if adds > chapter and getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"{flag} is not implemented in chapter {chapter}: "
+                         f"chapter {adds} adds it")
+
+
+def parse_server_args(parser: argparse.ArgumentParser,
+                      chapter: str | None = None) -> argparse.Namespace:
+    """The flags, checked; `chapter` ("02"): refuse the flags of later chapters."""
     args = parser.parse_args()
     resolve_model_flags(parser, args)
+    if chapter is not None:
+        refuse_later_flags(parser, args, chapter)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return args
 

@@ -1,0 +1,307 @@
+"""Every figure from its results file: the check behind `make figures` and
+tests/test_figures.py.
+
+    python -m bench.figures            # write every results .md from its .json, then check the pages
+    python -m bench.figures --check    # change nothing: list what is stale (exit 1 if anything is)
+
+Two links make a chain from a measurement to the sentence that quotes it:
+
+1. **results file**: `bench/results/X.md` is what the script named in
+   `X.json`'s `command` renders from that JSON (`RENDERERS`). A number
+   changed in either file breaks the equality.
+2. **page**: a measured figure on a page (a README, a slide, an exercise) is
+   a number with a unit that only a run produces: tok/s, req/s, a ratio
+   (`1.57x`), ms, seconds and percentages with decimals (`7.3 s`, `10.2 %`).
+   Each must appear in a results file that the same section names (a
+   section runs from one heading to the next; on slides, one slide). Every
+   number of the results file counts, rounded to the figure's decimals
+   (a page may say `245 tok/s` where the file says 245.3); a ratio or a
+   percentage may be the quotient of two of its numbers. A figure that no
+   run produced (arithmetic, a rough cost) is listed in `NOT_MEASURED`
+   with the reason.
+
+Left out: figures in other units (MiB, blocks) are arithmetic the course
+shows its working for, checked by the tests of common/memory.py; a figure
+may match a different number of its file that happens to be equal.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+# The module a results file's `command` runs -> the function that writes its .md.
+RENDERERS = {
+    "bench.bench": "render_markdown",
+    "common.bench": "render_markdown",  # bench/bench.py's earlier home (2026-11-30 files)
+    "bench.fairness": "render",
+    "bench.gemm_bandwidth": "markdown",
+    "bench.levers": "markdown",
+    "bench.profile_step": "markdown",
+    "bench.spec_decode": "markdown",
+    "bench.structured_outputs": "markdown",
+    "bench.tensor_parallel": "markdown",
+    "bench.vllm_diff": "render_markdown",
+    "bench.vllm_steps": "markdown",
+    "bench.samples": "markdown",
+}
+
+
+def pages() -> list[Path]:
+    """The pages a learner reads."""
+    return sorted([ROOT / "README.md", *ROOT.glob("GLOSSARY.md"), ROOT / "bench" / "README.md",
+                   *ROOT.glob("0*/README.md"), *ROOT.glob("0*/slides.md"),
+                   *ROOT.glob("0*/exercises/*.md")])
+
+
+# ------------------------------------------------------------ results files
+def renderer(record: dict):
+    """The function that renders this record's markdown, or None (a file no
+    script renders, such as a load test's --json summary)."""
+    command = record.get("command", "") if isinstance(record, dict) else ""
+    match = re.match(r"python -m ([\w.]+)", command)
+    if not match or match.group(1) not in RENDERERS:
+        return None
+    module = match.group(1).replace("common.bench", "bench.bench")
+    return getattr(importlib.import_module(module), RENDERERS[match.group(1)])
+
+
+def rendered(json_path: Path) -> str | None:
+    """What the results file's markdown should say, from its JSON."""
+    record = json.loads(json_path.read_text())
+    render = renderer(record)
+    return None if render is None else render(record)
+
+
+def stale_results(results: Path = RESULTS) -> list[str]:
+    """Results files whose .md is not what their .json renders to."""
+    stale = []
+    for json_path in sorted(results.glob("*.json")):
+        text, md = rendered(json_path), json_path.with_suffix(".md")
+        if text is None:
+            continue
+        if not md.exists():
+            stale.append(f"{md.name}: missing (its .json renders one)")
+        elif md.read_text() != text:
+            stale.append(f"{md.name}: not what its .json renders (make figures writes it again)")
+    return stale
+
+
+# ------------------------------------------------------------------- pages
+NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+# Numbers that only a run produces: "245.3 tok/s", "3.7 / 7.3 s", "0.91x", "122 ms".
+FIGURE = re.compile(
+    rf"(?<![\w.,/-])((?:(?:{NUMBER})\s?/\s?)*(?:{NUMBER}))"
+    r"(?:\s?(tok/s|tokens/s|output tok/s|req/s|ms)\b"
+    r"|(x)(?![\w-])"
+    r"|\s?(s|%)(?![\w/]))")
+# bench/results/X.md (a bench run), NN-chapter/exercises/results/X.txt (an
+# exercise's run), or results/X.json on an exercise's own pages.
+RESULTS_FILE = re.compile(r"(?<![\w/-])((?:[\w.-]+/)*results/[\w.-]+\.(?:md|json|txt))\b")
+HEADING = re.compile(r"^#{1,6} ")
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+# Figures with a unit of measure that no run produced, by page: a piece of
+# the figure's line (enough to be unique) -> why it needs no results file.
+NOT_MEASURED: dict[str, dict[str, str]] = {}
+
+
+@dataclass(frozen=True)
+class Figure:
+    line: int
+    text: str                  # as the page writes it: "3.7 / 7.3 s"
+    numbers: tuple[str, ...]   # ("3.7", "7.3")
+    unit: str                  # "tok/s", "x", "ms", "s", "%", ...
+    sources: tuple[Path, ...]  # the results files its section names
+
+
+@dataclass
+class Section:
+    lines: list[tuple[int, str]]  # (line number, text)
+
+    def sources(self, page: Path, root: Path) -> tuple[Path, ...]:
+        text = "\n".join(line for _, line in self.lines)
+        return tuple(dict.fromkeys(resolve(name, page, root)
+                                   for name in RESULTS_FILE.findall(text)))
+
+
+def sections(path: Path) -> list[Section]:
+    """A page cut at its headings (and, on slides, at each slide)."""
+    slides = path.name == "slides.md"
+    cut = [Section([])]
+    in_block = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            in_block = not in_block
+        elif not in_block and (HEADING.match(line) or (slides and line.strip() == "---")):
+            cut.append(Section([]))
+        cut[-1].lines.append((number, line))
+    return cut
+
+
+def resolve(name: str, page: Path, root: Path = ROOT) -> Path:
+    """A results file as a page names it: from the repository's root
+    (`bench/results/...`, `05-.../exercises/results/...`), or from the page's
+    folder (an exercise page's `results/...`)."""
+    return page.parent / name if name.startswith("results/") else root / name
+
+
+def _is_figure(match: re.Match, line: str) -> bool:
+    numbers = re.findall(NUMBER, match.group(1))
+    if match.group(4) in ("s", "%") and not any("." in n for n in numbers):
+        return False  # "20 s", "90%": rough or set, not measured to a decimal
+    if match.group(3) == "x" and re.search(r"\d\s*x\s*$", line[:match.start()]):
+        return False  # the end of a product: "2 x 4x"
+    return True
+
+
+def figures(path: Path, root: Path = ROOT) -> list[Figure]:
+    found = []
+    for section in sections(path):
+        sources = section.sources(path, root)
+        for number, line in section.lines:
+            for match in FIGURE.finditer(line):
+                if _is_figure(match, line):
+                    unit = next(u for u in match.groups()[1:] if u)
+                    found.append(Figure(number, match.group(0).strip(),
+                                        tuple(re.findall(NUMBER, match.group(1))), unit,
+                                        sources))
+    return found
+
+
+def _decimals(number: str) -> int:
+    return len(number.split(".")[1]) if "." in number else 0
+
+
+def _value(number: str) -> float:
+    return float(number.replace(",", ""))
+
+
+def numbers_in(path: Path) -> list[float]:
+    """Every number a results file holds; for bench's markdown, its JSON's too
+    (seconds also as ms, fractions also as %)."""
+    values: list[float] = []
+    files = [path, path.with_suffix(".json")] if path.suffix == ".md" else [path]
+    for file in dict.fromkeys(files):
+        if not file.exists():
+            continue
+        if file.suffix != ".json":
+            values += [_value(n) for n in re.findall(NUMBER, file.read_text())]
+            continue
+
+        def walk(node):
+            if isinstance(node, bool):
+                return
+            if isinstance(node, (int, float)):
+                values.extend([node, node * 1000, node * 100])
+            elif isinstance(node, dict):
+                for child in node.values():
+                    walk(child)
+            elif isinstance(node, list):
+                for child in node:
+                    walk(child)
+            elif isinstance(node, str):
+                values.extend(_value(n) for n in re.findall(NUMBER, node))
+        walk(json.loads(file.read_text()))
+    return values
+
+
+def _held(number: str, unit: str, values: list[float]) -> bool:
+    """The file holds the number, at the page's precision; a ratio or a
+    percentage may also be the quotient of two of the file's numbers."""
+    want, places = _value(number), _decimals(number)
+    half_step = 10 ** -places / 2
+    held = np.asarray(values, dtype=np.float64)
+    if np.any(np.abs(np.round(held, places) - want) < half_step):
+        return True
+    if unit not in ("x", "%") or not len(held):
+        return False
+    held = np.unique(held[held != 0])
+    quotients = held[:, None] / held[None, :] * (100 if unit == "%" else 1)
+    return bool(np.any(np.abs(np.round(quotients, places) - want) < half_step))
+
+
+def unsourced(path: Path, root: Path = ROOT) -> list[str]:
+    """The page's figures that no results file of their section holds."""
+    page = str(path.relative_to(root))
+    excused = NOT_MEASURED.get(page, {})
+    lines = path.read_text().splitlines()
+    problems = []
+    for figure in figures(path, root):
+        if any(piece in lines[figure.line - 1] for piece in excused):
+            continue
+        where = f"{page}:{figure.line}: {figure.text!r}"
+        named = ", ".join(str(s.relative_to(root)) for s in figure.sources)
+        if not figure.sources:
+            problems.append(f"{where} names no results file in its section")
+        elif not any(s.exists() for s in figure.sources):
+            problems.append(f"{where}: {named} does not exist")
+        else:
+            values = [v for source in figure.sources for v in numbers_in(source)]
+            absent = [n for n in figure.numbers if not _held(n, figure.unit, values)]
+            if absent:
+                problems.append(f"{where}: {', '.join(absent)} is not in {named}")
+    return problems
+
+
+def _quotes(line: str, text_lines: list[str]) -> bool:
+    """Is the quoted line part of one of the file's lines ("..." skips)?"""
+    pattern = ".*".join(re.escape(piece.strip()) for piece in line.strip().split("..."))
+    return any(re.search(pattern, candidate) for candidate in text_lines)
+
+
+def misquoted(path: Path, root: Path = ROOT) -> list[str]:
+    """A code block right after a line that names a samples file
+    (bench/samples.py's) quotes that file: each of its lines must be part of
+    one of the file's lines (a slide may wrap a long line; "..." leaves a
+    part out). Tables laid out anew are checked figure by figure instead."""
+    page = str(path.relative_to(root))
+    problems, before, block, source = [], "", None, None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            if block is None:
+                names = [n for n in RESULTS_FILE.findall(before) if "-samples." in n]
+                source = resolve(names[-1], path, root) if names else None
+                block = []
+            else:
+                if source is not None:
+                    file_lines = source.read_text().splitlines() if source.exists() else []
+                    problems += [f"{page}:{n}: not in {source.relative_to(root)}: {text.strip()!r}"
+                                 for n, text in block
+                                 if text.strip() and not _quotes(text, file_lines)]
+                block = None
+        elif block is not None:
+            block.append((number, line))
+        elif line.strip():
+            before = line
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    args = p.parse_args(argv)
+    if not args.check:
+        for json_path in sorted(RESULTS.glob("*.json")):
+            text = rendered(json_path)
+            if text is not None and (not json_path.with_suffix(".md").exists()
+                                     or json_path.with_suffix(".md").read_text() != text):
+                json_path.with_suffix(".md").write_text(text)
+                print(f"wrote {json_path.with_suffix('.md').relative_to(ROOT)}")
+    problems = stale_results() + [p for page in pages()
+                                  for p in unsourced(page) + misquoted(page)]
+    print("\n".join(problems) if problems else "every figure is in its results file")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

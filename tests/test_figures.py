@@ -1,0 +1,109 @@
+"""Every figure from its results file (bench/figures.py): each results
+markdown is what its JSON renders to, each measured figure on a page is in a
+results file its section names, each quoted sample is in its samples file;
+and a number changed in a results file makes these fail."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import figures
+
+pytestmark = pytest.mark.slides
+ROOT = figures.ROOT
+PAGES = figures.pages()
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_results_markdown_is_what_its_json_renders() -> None:
+    stale = figures.stale_results()
+    assert not stale, "\n".join(stale)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_every_figure_is_in_its_results_file(page: Path) -> None:
+    problems = figures.unsourced(page) + figures.misquoted(page)
+    assert not problems, f"{len(problems)} figure(s) without their file:\n" + "\n".join(problems)
+
+
+def test_not_measured_entries_are_still_on_their_pages() -> None:
+    """An excuse for a figure that is gone would excuse the next one."""
+    stale = [f"{page}: {piece!r}" for page, pieces in figures.NOT_MEASURED.items()
+             for piece in pieces if piece not in (ROOT / page).read_text()]
+    assert not stale, "\n".join(stale)
+
+
+# ------------------------------------------------------ planted changes
+def _copy(tmp_path: Path) -> Path:
+    """The README and every bench results file, in a scratch repository."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(figures.RESULTS, tmp_path / "bench" / "results")
+    return tmp_path
+
+
+def _plant(node, number: str, factor: float) -> int:
+    """Scale every leaf of a JSON record that a page would quote as `number`."""
+    changed = 0
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for key, value in list(items):
+        if isinstance(value, (dict, list)):
+            changed += _plant(value, number, factor)
+        elif isinstance(value, float) and figures._held(number, "tok/s", [value]):
+            node[key] = value * factor
+            changed += 1
+    return changed
+
+
+def _readme_throughputs(root: Path) -> list[figures.Figure]:
+    found = [f for f in figures.figures(root / "README.md", root)
+             if f.unit.endswith("tok/s") and any(s.suffix == ".md" for s in f.sources)]
+    assert found, "the README quotes no tok/s figure from a results file"
+    return found
+
+
+def test_a_changed_measurement_fails_the_page(tmp_path: Path) -> None:
+    """A re-measured number (JSON and markdown both changed, as a new run
+    writes them) makes the page that quotes the old one fail."""
+    root = _copy(tmp_path)
+    for figure in _readme_throughputs(root):
+        number = figure.numbers[-1]
+        for source in figure.sources:
+            record = json.loads(source.with_suffix(".json").read_text())
+            if _plant(record, number, 1.5):
+                source.with_suffix(".json").write_text(json.dumps(record))
+                source.write_text(figures.renderer(record)(record))
+        problems = figures.unsourced(root / "README.md", root)
+        assert any(f"{figure.line}: {figure.text!r}" in p and number in p for p in problems), \
+            f"README.md:{figure.line} {figure.text} still passes:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("planted_in", [".json", ".md"])
+def test_a_number_changed_in_one_of_the_pair_fails(tmp_path: Path, planted_in: str) -> None:
+    root = _copy(tmp_path)
+    figure = _readme_throughputs(root)[0]
+    number, source = figure.numbers[-1], figure.sources[0]
+    assert figures.stale_results(root / "bench" / "results") == []
+    target = source.with_suffix(planted_in)
+    text = target.read_text()
+    assert number in text
+    target.write_text(text.replace(number, str(figures._value(number) + 1), 1))
+    assert any(source.name in p for p in figures.stale_results(root / "bench" / "results"))
+
+
+def test_a_misquoted_sample_fails(tmp_path: Path) -> None:
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "2026-01-01-vm-samples.md").write_text(
+        "```\nAvg prompt throughput: 224.6 tokens/s, Running: 32 reqs\n```\n")
+    page = tmp_path / "page.md"
+    page.write_text("From `bench/results/2026-01-01-vm-samples.md`:\n\n```\n"
+                    "Avg prompt throughput: 224.6 tokens/s, ...\nRunning: 31 reqs\n```\n")
+    problems = figures.misquoted(page, tmp_path)
+    assert problems == ["page.md:5: not in bench/results/2026-01-01-vm-samples.md: "
+                        "'Running: 31 reqs'"]

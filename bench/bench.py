@@ -644,10 +644,12 @@ TABLE_COLUMNS = [
 ]
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(name for name, _ in TABLE_COLUMNS) + " |",
-             "|" + "---|" * len(TABLE_COLUMNS)]
-    lines += ["| " + " | ".join(cell(row) for _, cell in TABLE_COLUMNS) + " |" for row in rows]
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """The results table; `columns`: only those (by their titles)."""
+    chosen = [(name, cell) for name, cell in TABLE_COLUMNS if columns is None or name in columns]
+    lines = ["| " + " | ".join(name for name, _ in chosen) + " |",
+             "|" + "---|" * len(chosen)]
+    lines += ["| " + " | ".join(cell(row) for _, cell in chosen) + " |" for row in rows]
     return "\n".join(lines)
 
 

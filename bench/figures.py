@@ -4,7 +4,7 @@ tests/test_figures.py.
     python -m bench.figures            # write every results .md from its .json, then check the pages
     python -m bench.figures --check    # change nothing: list what is stale (exit 1 if anything is)
 
-Two links make a chain from a measurement to the sentence that quotes it:
+Three checks tie a measurement to the sentence that quotes it:
 
 1. **results file**: `bench/results/X.md` is what the script named in
    `X.json`'s `command` renders from that JSON (`RENDERERS`). A number
@@ -19,6 +19,14 @@ Two links make a chain from a measurement to the sentence that quotes it:
    percentage may be the quotient of two of its numbers. A figure that no
    run produced (arithmetic, a rough cost) is listed in `NOT_MEASURED`
    with the reason.
+3. **generated table**: a comparison table between the markers
+   `<!-- table from bench/results/X.json ... -->` and `<!-- /table -->` is
+   written by `make figures` from the JSON's rows (`with_tables`); a page
+   whose table differs from what the file gives fails.
+
+A quoted sample output (a log, `/stats`, an answer) right after a line
+naming a `*-samples.md` file must be in that file line for line
+(`misquoted`; bench/samples.py captures them).
 
 Left out: figures in other units (MiB, blocks) are arithmetic the course
 shows its working for, checked by the tests of common/memory.py; a figure
@@ -30,7 +38,6 @@ import argparse
 import importlib
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +119,38 @@ FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 
 # Figures with a unit of measure that no run produced, by page: a piece of
 # the figure's line (enough to be unique) -> why it needs no results file.
-NOT_MEASURED: dict[str, dict[str, str]] = {}
+NOT_MEASURED: dict[str, dict[str, str]] = {
+    "01-concepts/slides.md": {
+        "30x less work here": "arithmetic on the slide: 2,260 / 76 token-forwards",
+        "cache is 3x smaller": "arithmetic: 9 query heads / 3 KV heads",
+    },
+    "02-minimal-pytorch-inference/README.md": {
+        "(at most every 0.25 s)": "a setting of ClientGone, not a measurement",
+    },
+    "02-minimal-pytorch-inference/slides.md": {
+        "72x its whole": "arithmetic on the slide: 73,983 / 1,024 tokens",
+    },
+    "03-kv-cache/slides.md": {
+        "*20.4% - 38.2%*": "the PagedAttention paper's Figure 2, quoted with its source",
+    },
+    "06-openai-server/README.md": {
+        "Mean TTFT 0.59 s": "a dated past run (2026-12-01), said so on the page",
+        "(a run of 2026-11-30: 13.6 s": "a dated past run, said so on the page",
+        "`0.0` and `0.0` 0.6 s after": "a dated past run of the cancellation check",
+        "noticed within 0.25 s": "the poll interval of cancel_on_disconnect, a setting",
+    },
+    "06-openai-server/slides.md": {
+        "3 requests 0.5 s apart": "the demo's own spacing, a setting",
+        "polls every 0.25 s": "the poll interval of cancel_on_disconnect, a setting",
+        "0.6 s    vllm:num_requests_running": "a dated past run of the cancellation check",
+        "count 5     sum": "the /metrics sums of a dated past run (2026-12-01)",
+        "count 122   sum 14.76 s": "the /metrics sums of a dated past run (2026-12-01)",
+    },
+    "bench/README.md": {
+        "GuideLLM 1.7 vs ours 4.7 tokens/s": "a dated past run (2026-12-01) on a busy machine, "
+                                             "said so on the page",
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -286,6 +324,47 @@ def misquoted(path: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+# ---------------------------------------------------- generated tables
+# A table a page does not write by hand: `make figures` writes it between
+#   <!-- table from bench/results/X.json: rows 02; 05; vLLM 0.32.0 float32 -->
+#   <!-- /table -->
+# from the results file's rows (all of them that ran, without "rows ..."),
+# with the columns that matter for a chapter-by-chapter comparison.
+TABLE = re.compile(r"(<!-- table from (bench/results/[\w.-]+\.json)(?:: rows ([^>]*?))? -->\n)"
+                   r"(.*?)(<!-- /table -->)", re.S)
+TABLE_COLUMNS = ["system", "card", "load", "done / failed", "output tok/s", "x ch02", "x vLLM",
+                 "e2e p50 / p95 s", "KV waste"]
+
+
+def comparison_table(record: dict, names: list[str] | None) -> str:
+    from bench.bench import markdown_table
+    rows = [r for r in record["rows"] if r["status"] not in ("skipped", "error")]
+    if names is not None:
+        by_name = {r["name"]: r for r in rows}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise KeyError(f"no row {', '.join(missing)} in the results file")
+        rows = [by_name[n] for n in names]
+    return markdown_table(rows, TABLE_COLUMNS) + "\n"
+
+
+def with_tables(text: str, root: Path = ROOT) -> str:
+    """The page's text with every generated table written anew."""
+    def write(match: re.Match) -> str:
+        record = json.loads((root / match.group(2)).read_text())
+        names = [n.strip() for n in match.group(3).split(";")] if match.group(3) else None
+        return match.group(1) + comparison_table(record, names) + match.group(5)
+    return TABLE.sub(write, text)
+
+
+def stale_tables(path: Path, root: Path = ROOT) -> list[str]:
+    text = path.read_text()
+    if with_tables(text, root) == text:
+        return []
+    return [f"{path.relative_to(root)}: a generated table is not what its results file "
+            "gives (make figures writes it again)"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
@@ -297,8 +376,13 @@ def main(argv: list[str] | None = None) -> int:
                                      or json_path.with_suffix(".md").read_text() != text):
                 json_path.with_suffix(".md").write_text(text)
                 print(f"wrote {json_path.with_suffix('.md').relative_to(ROOT)}")
-    problems = stale_results() + [p for page in pages()
-                                  for p in unsourced(page) + misquoted(page)]
+        for page in pages():
+            text = page.read_text()
+            if with_tables(text) != text:
+                page.write_text(with_tables(text))
+                print(f"wrote the tables of {page.relative_to(ROOT)}")
+    problems = stale_results() + [p for page in pages() for p in
+                                  stale_tables(page) + unsourced(page) + misquoted(page)]
     print("\n".join(problems) if problems else "every figure is in its results file")
     return 1 if problems else 0
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -195,11 +196,11 @@ SAMPLES = {
 def markdown(rec: dict) -> str:
     m = rec["machine"]
     lines = [f"# Sample outputs, {rec['date'][:10]}", "",
-             f"Command: `{rec['command']}`. Measured {rec['date']} on {m['cpu']} "
+             f"Command: `{rec['command']}`. Written {rec['date']} on {m['cpu']} "
              f"({m['cores']} cores, {bf16_words(m)}), torch {m['torch']}, float32.", ""]
     for name, sample in rec["samples"].items():
-        lines += [f"## {name}", "", f"`{sample['command']}`", "", "```", sample["text"], "```",
-                  ""]
+        lines += [f"## {name}", "", f"`{sample['command']}` ({sample['date']})", "", "```",
+                  sample["text"], "```", ""]
     return "\n".join(lines)
 
 
@@ -209,17 +210,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     when = datetime.datetime.now()
-    samples = {}
+    # --only: the others stay as today's file has them (each sample is dated)
+    today = args.out_dir / f"{when:%Y-%m-%d}-{socket.gethostname()}-samples.json"
+    samples = json.loads(today.read_text())["samples"] if today.exists() else {}
+    failed = []
     for name in args.only:
         print(f"[samples] {name}", flush=True)
-        samples[name] = SAMPLES[name]()
+        try:
+            sample = SAMPLES[name]()
+        except Exception as error:  # the others are still worth writing
+            print(f"[samples] {name} failed: {error!r}", flush=True)
+            failed.append(name)
+            continue
+        samples[name] = {**sample, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}"}
         print(samples[name]["text"][:600], flush=True)
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": " ".join(["python -m bench.samples",
-                                *(argv if argv is not None else sys.argv[1:])]),
-           "machine": machine(), "samples": samples}
+           "command": "python -m bench.samples", "machine": machine(),
+           "samples": {name: samples[name] for name in SAMPLES if name in samples}}
     write_results(args.out_dir, "samples", rec, markdown(rec))
-    return 0
+    if failed:
+        print(f"[samples] failed: {' '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Chapter 01: the loader, the by-hand loop, the chat server over HTTP."""
+import subprocess
+import sys
+
 import pytest
 import requests
 import torch
 
 from common.autoregressive import eos_token_ids
 from common.loader import ModelLoadError, apply_chat_template, load_model
-from tests.conftest import PROMPTS, hf_greedy, openai_client
+from tests.conftest import PROMPTS, ROOT, hf_greedy, openai_client
 
 pytestmark = pytest.mark.ch01
 
@@ -142,3 +145,14 @@ def test_model_is_a_positional_or_a_flag_as_in_vllm_serve():
 
 def test_ch01_bad_input(ch01):
     assert_bad_input_rejected(ch01.url)
+
+
+def test_the_server_refuses_a_later_chapters_flag_before_loading_the_model():
+    """Chapter 01 has no blocks: `--block-size 8` is a usage error (exit 2)
+    naming the chapter that adds it, not a flag silently ignored."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "01-concepts" / "server.py"), "--block-size", "8"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "error: --block-size is not implemented in chapter 01: chapter 04 adds it" \
+        in result.stderr

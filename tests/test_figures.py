@@ -28,7 +28,8 @@ def test_results_markdown_is_what_its_json_renders() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
 def test_every_figure_is_in_its_results_file(page: Path) -> None:
-    problems = figures.unsourced(page) + figures.misquoted(page)
+    problems = (figures.stale_tables(page) + figures.unsourced(page)
+                + figures.misquoted(page))
     assert not problems, f"{len(problems)} figure(s) without their file:\n" + "\n".join(problems)
 
 
@@ -107,3 +108,16 @@ def test_a_misquoted_sample_fails(tmp_path: Path) -> None:
     problems = figures.misquoted(page, tmp_path)
     assert problems == ["page.md:5: not in bench/results/2026-01-01-vm-samples.md: "
                         "'Running: 31 reqs'"]
+
+
+def test_a_generated_table_follows_its_results_file(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    source = next(
+        p for p in (root / "bench" / "results").glob("*.json")
+        if f"<!-- table from bench/results/{p.name}" in (root / "README.md").read_text())
+    assert figures.stale_tables(root / "README.md", root) == []
+    record = json.loads(source.read_text())
+    row = next(r for r in record["rows"] if r["output_tokens_per_s"])
+    row["output_tokens_per_s"] *= 1.5
+    source.write_text(json.dumps(record))
+    assert figures.stale_tables(root / "README.md", root) != []

@@ -120,6 +120,45 @@ FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 # Figures with a unit of measure that no run produced, by page: a piece of
 # the figure's line (enough to be unique) -> why it needs no results file.
 NOT_MEASURED: dict[str, dict[str, str]] = {
+    "01-concepts/exercises/README.md": {
+        "2x, 2.6x, 4x?": "the choices of a prediction question (4384 / 1680 token-forwards)",
+    },
+    "01-concepts/exercises/solutions.md": {
+        "gets 99.3 % of the mass": "a softmax of 5, 15 and 10, computed on the page",
+        "from 2.61x down towards 2x": "arithmetic: 4384 / 1680 token-forwards",
+        "small at these lengths (0.3 ms": "arithmetic on the table: (260 - 239) ms / 63 tokens",
+        "measured 7.8 ms with two threads": "a dated past run (2026-12-01), said so on the page",
+        "against 0.16 ms with one": "the same dated past run",
+    },
+    "02-minimal-pytorch-inference/exercises/solutions.md": {
+        "used 3.47% of the 2048": "the server log's arithmetic: (39 + 32) / 2048",
+        "used 3.22% of the 2048": "the server log's arithmetic: (34 + 32) / 2048",
+    },
+    "03-kv-cache/exercises/solutions.md": {
+        "103 / 8192 = 1.26 % used": "the prediction's arithmetic",
+    },
+    "05-continuous-batching/exercises/solutions.md": {
+        "not 12x slower": "arithmetic: 24 / 2 prefill steps",
+        "takes ~0.2 s here": "a rough cost",
+    },
+    "06-openai-server/exercises/README.md": {
+        "summing 1.25 s": "the grading test's fixed inputs",
+    },
+    "06-openai-server/exercises/solutions.md": {
+        "(0.5 + 0.75 = 1.25 s)": "the grading test's fixed inputs, summed",
+        "(0.125 + 0.25 + 0.25 = 0.625 s)": "the grading test's fixed inputs, summed",
+        "= 3.5 s, queue 0.5 + 0.25 = 0.75 s": "the grading test's fixed inputs, summed",
+        "(mean 1.38 s)": "arithmetic on the line: 22.04 / 16",
+    },
+    "06-openai-server/exercises/solutions-06b.md": {
+        "adds about 2.4 ms, 1 %": "a rough cost: half the 32-row time",
+    },
+    "GLOSSARY.md": {
+        "the cache is 3x smaller": "arithmetic: 9 query heads / 3 KV heads",
+    },
+    "04-paged-attention/slides.md": {
+        "98.8% waste": "arithmetic on the slide: 8,093 of 8,192 slots",
+    },
     "01-concepts/slides.md": {
         "30x less work here": "arithmetic on the slide: 2,260 / 76 token-forwards",
         "cache is 3x smaller": "arithmetic: 9 query heads / 3 KV heads",

@@ -163,7 +163,8 @@ def traces() -> dict:
                                         long_prefill_token_threshold=cap,
                                         device_memory_gb=2.0), loaded=loaded)
         engine.add_request("A", prompts[0], params)
-        engine.step()  # A's prefill
+        while not engine.sequences["A"].num_output_tokens:  # A's prefill, then A decodes
+            engine.step()
         engine.add_request("B", long_prompt, params)
         out[title] = _traced(engine, {"A": "A", "B": "B"}, steps=8)
     engine = LLMEngine(EngineConfig(dtype="float32", device_memory_gb=2.0), loaded=loaded,

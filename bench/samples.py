@@ -53,6 +53,37 @@ def chat_and_stats(chapter: str) -> dict:
             "text": answer.text.strip() + "\n" + stats.text.strip()}
 
 
+# Chapter 06's README: the requests it shows with curl, as it writes them.
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+CITY_SCHEMA = {"type": "object",
+               "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                              "population": {"type": "integer", "minimum": 0,
+                                             "maximum": 100000000}},
+               "required": ["name", "country", "population"]}
+CH06_REQUESTS = [
+    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 40, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 12, "temperature": 0,
+                              "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "The three primary colors are", "max_tokens": 16,
+                         "temperature": 0}),
+    ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
+        "max_tokens": 100, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "city", "schema": CITY_SCHEMA}}}),
+]
+
+
+def ch06_answers() -> dict:
+    """The answers of chapter 06's README, each request as it shows it."""
+    with _server("06") as server:
+        answers = [requests.post(server.url + path, json=body, timeout=300).text.strip()
+                   for path, body in CH06_REQUESTS]
+    return {"command": "python 06-openai-server/server.py --dtype float32; the README's curl "
+                       "requests (chat, streamed chat, completion, JSON schema)",
+            "text": "\n\n".join(answers)}
+
+
 def log_lines(chapter: str, clients: int, *server_args: str) -> dict:
     """The engine's periodic log lines under the load test, on the demo
     card, then what /stats says after it."""
@@ -191,6 +222,7 @@ SAMPLES = {
     "ch05-log-32x64": lambda: log_lines("05", 32),
     "ch05-offline": offline,
     "ch05-traces": traces,
+    "ch06-answers": ch06_answers,
 }
 
 

@@ -8,6 +8,9 @@ float32`, prefix caching on, its default), then the load test of 16
 streaming clients x 64 tokens (`python -m bench.loadtest --url ... --clients
 16 --max-tokens 64 --stream`) while `/metrics` is scraped every 2 s, then
 the whole `/metrics` once the load is done. About a minute on 2 quiet cores.
+`--no-enable-prefix-caching`: the same without the prefix cache (the
+answers as they were before chapter 05 turned it on). It first waits (up
+to `--wait-quiet` seconds) for the load average to fall below 0.7 (`--quiet-load`).
 
 Writes, beside this file:
 - `results/measured-DATE-metrics.txt`: the machine and the commands, every
@@ -36,6 +39,15 @@ ROOT = HERE.parents[1]
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
                      r"time_to_first_token_seconds_count)\{")
+
+
+def wait_for_quiet_machine(max_wait_s: float, below: float) -> None:
+    """Wait until the 1-minute load average is below `below` (or give up)."""
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quiet machine",
+              file=sys.stderr, flush=True)
+        time.sleep(10)
 
 
 def machine() -> dict:
@@ -74,11 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--every", type=float, default=2.0, help="seconds between scrapes")
     p.add_argument("--date", default=datetime.date.today().isoformat())
+    p.add_argument("--no-enable-prefix-caching", action="store_true",
+                   help="pass it to the server (files named ...-no-prefix-caching-...)")
+    p.add_argument("--wait-quiet", type=float, default=180.0,
+                   help="seconds to wait for a quiet machine first (0: do not wait)")
+    p.add_argument("--quiet-load", type=float, default=0.7,
+                   help="quiet: a 1-minute load average below this")
     args = p.parse_args(argv)
+    wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
     base = f"http://127.0.0.1:{args.port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server_cmd = ["06-openai-server/server.py", "--port", str(args.port),
                   "--device-memory-gb", "1.1", "--dtype", "float32"]
+    stem = f"measured-{args.date}"
+    if args.no_enable_prefix_caching:
+        server_cmd.append("--no-enable-prefix-caching")
+        stem += "-no-prefix-caching"
     load_cmd = ["-m", "bench.loadtest", "--url", base, "--clients", "16",
                 "--max-tokens", "64", "--stream"]
     info = machine()
@@ -123,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 "scrapes": f"curl {base}/metrics every {args.every:g} s while the load runs, "
                            "then once after it",
                 "script": "python 06-openai-server/exercises/measure_metrics.py "
-                          f"--port {args.port}"}
+                          f"--port {args.port}"
+                          + (" --no-enable-prefix-caching" if args.no_enable_prefix_caching
+                             else "")}
     header = [f"# {args.date}: {info['cpu']}, {info['cores']} cores, bf16 flags "
               f"{' '.join(info['bf16_flags']) or 'none'}, load average at start "
               f"{info['load_average_at_start'][0]:.2f}",
@@ -134,16 +159,16 @@ def main(argv: list[str] | None = None) -> int:
             *[f"{name}: {s:.4f} / {c:.0f} = {m:.4f} s" for name, (s, c, m) in means.items()]]
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    (results / f"measured-{args.date}-metrics.txt").write_text(
+    (results / f"{stem}-metrics.txt").write_text(
         "\n".join(header + out + tail) + "\n")
     record = {"command": f"{commands['server']}, then {commands['load']} "
                          f"(06-openai-server/exercises/measure_metrics.py)",
               "commands": commands, "machine": info, "kv_cache_line": kv_line,
               "load_test_output": load_output.splitlines()[-12:], "summary": summary}
     record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    (results / f"measured-{args.date}-load.json").write_text(json.dumps(record, indent=1) + "\n")
+    (results / f"{stem}-load.json").write_text(json.dumps(record, indent=1) + "\n")
     print("\n".join(out[-8:] + tail[-5:]))
-    print(f"wrote results/measured-{args.date}-metrics.txt and -load.json")
+    print(f"wrote results/{stem}-metrics.txt and -load.json")
     return 0
 
 

@@ -16,9 +16,11 @@ Three checks tie a measurement to the sentence that quotes it:
    section runs from one heading to the next; on slides, one slide). Every
    number of the results file counts, rounded to the figure's decimals
    (a page may say `245 tok/s` where the file says 245.3); a ratio or a
-   percentage may be the quotient of two of its numbers. A figure that no
+   percentage may be the quotient of two numbers that the same paragraph
+   quotes from the file (`11.7x` beside 262.2 and 22.4). A figure that no
    run produced (arithmetic, a rough cost) is listed in `NOT_MEASURED`
-   with the reason.
+   with the reason. A table laid out by hand counts too: the numbers of a
+   row whose label carries the unit ("output tokens/s   11.8   273.6").
 3. **generated table**: a comparison table between the markers
    `<!-- table from bench/results/X.json ... -->` and `<!-- /table -->` is
    written by `make figures` from the JSON's rows (`with_tables`); a page
@@ -126,7 +128,9 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "01-concepts/exercises/solutions.md": {
         "gets 99.3 % of the mass": "a softmax of 5, 15 and 10, computed on the page",
         "from 2.61x down towards 2x": "arithmetic: 4384 / 1680 token-forwards",
+        "than the 2.61x of the token-forwards": "arithmetic: 4384 / 1680 token-forwards",
         "small at these lengths (0.3 ms": "arithmetic on the table: (260 - 239) ms / 63 tokens",
+        "larger (about 3.3 ms per token)": "arithmetic on the one-thread table, per token",
         "measured 7.8 ms with two threads": "a dated past run (2026-12-01), said so on the page",
         "against 0.16 ms with one": "the same dated past run",
     },
@@ -167,11 +171,13 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "02-minimal-pytorch-inference/README.md": {
         "~2000 tok/s (Mistral 7B)": "the source article's estimate, quoted as such",
         "74 of 8192 slots used: 99.1%": "arithmetic on the page: 1 - 74 / 8192",
+        "99.1 % of the reserved slots never used": "arithmetic: 1 - 74 / 8192 (the log line)",
         "(at most every 0.25 s)": "a setting of ClientGone, not a measurement",
     },
     "02-minimal-pytorch-inference/slides.md": {
         "~100 vs ~2000 tok/s (the article)": "the source article's estimates, quoted as such",
         "99.1% of 360 MiB wasted": "arithmetic on the slide: 1 - 74 / 8192",
+        "KV waste     99.1% (74 of 8192)": "arithmetic: 1 - 74 / 8192 (the log line)",
         "72x its whole": "arithmetic on the slide: 73,983 / 1,024 tokens",
     },
     "03-kv-cache/slides.md": {
@@ -182,6 +188,8 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
         "(a run of 2026-11-30: 13.6 s": "a dated past run, said so on the page",
         "`0.0` and `0.0` 0.6 s after": "a dated past run of the cancellation check",
         "noticed within 0.25 s": "the poll interval of cancel_on_disconnect, a setting",
+        "gave 1.45x, 1.02x,": "a run whose results file was not kept, said so on the page",
+        "1.11x and 0.95x: the figures": "the same run, said so on the page",
     },
     "06-openai-server/slides.md": {
         "3 requests 0.5 s apart": "the demo's own spacing, a setting",
@@ -204,6 +212,7 @@ class Figure:
     numbers: tuple[str, ...]   # ("3.7", "7.3")
     unit: str                  # "tok/s", "x", "ms", "s", "%", ...
     sources: tuple[Path, ...]  # the results files its section names
+    beside: tuple[str, ...]    # every number of its paragraph (a ratio's operands)
 
 
 @dataclass
@@ -214,6 +223,18 @@ class Section:
         text = "\n".join(line for _, line in self.lines)
         return tuple(dict.fromkeys(resolve(name, page, root)
                                    for name in RESULTS_FILE.findall(text)))
+
+
+    def paragraph_of(self, line_number: int) -> str:
+        """The lines around this one up to the nearest blank lines."""
+        texts = [text for _, text in self.lines]
+        at = [n for n, _ in self.lines].index(line_number)
+        start, end = at, at
+        while start > 0 and texts[start - 1].strip():
+            start -= 1
+        while end + 1 < len(texts) and texts[end + 1].strip():
+            end += 1
+        return "\n".join(texts[start:end + 1])
 
 
 def sections(path: Path) -> list[Section]:
@@ -246,17 +267,37 @@ def _is_figure(match: re.Match, line: str) -> bool:
     return True
 
 
+# A row of a table laid out by hand, its unit in its label:
+# "output tokens/s    11.8    273.6", "e2e p50 (s)    172.8    7.4".
+ROW = re.compile(r"^\s*([A-Za-z][\w /-]*?(tok/s|tokens/s|\(s\)|\(ms\)))\s{2,}(\S.*)$")
+
+
+def _row_figures(line: str) -> tuple[str, list[str]]:
+    """The unit and the numbers of a hand-laid table row, or ("", [])."""
+    match = ROW.match(line)
+    if not match:
+        return "", []
+    unit = match.group(2).strip("()")
+    numbers = re.findall(NUMBER, match.group(3))
+    if unit == "s":
+        numbers = [n for n in numbers if "." in n]
+    return unit, numbers
+
+
 def figures(path: Path, root: Path = ROOT) -> list[Figure]:
     found = []
     for section in sections(path):
         sources = section.sources(path, root)
         for number, line in section.lines:
+            beside = tuple(re.findall(NUMBER, section.paragraph_of(number)))
             for match in FIGURE.finditer(line):
                 if _is_figure(match, line):
                     unit = next(u for u in match.groups()[1:] if u)
                     found.append(Figure(number, match.group(0).strip(),
                                         tuple(re.findall(NUMBER, match.group(1))), unit,
-                                        sources))
+                                        sources, beside))
+            unit, numbers = _row_figures(line)
+            found += [Figure(number, n, (n,), unit, sources, beside) for n in numbers]
     return found
 
 
@@ -318,21 +359,24 @@ def numbers_in(path: Path) -> list[Held]:
     return values
 
 
-def _held(number: str, unit: str, values: list[Held]) -> bool:
+def _held(number: str, values: list[Held]) -> bool:
     """The file holds the number, at the page's precision (from a number
-    known to that precision at least); a ratio or a percentage may also be
-    the quotient of two of the file's numbers."""
+    known to that precision at least)."""
     want, places = _value(number), _decimals(number)
-    half_step = 10 ** -places / 2
     precise = np.asarray([v for v, known in values if known >= places], dtype=np.float64)
-    if np.any(np.abs(np.round(precise, places) - want) < half_step):
-        return True
-    if unit not in ("x", "%") or not values:
+    return bool(np.any(np.abs(np.round(precise, places) - want) < 10 ** -places / 2))
+
+
+def _quotient(number: str, unit: str, operands: list[str]) -> bool:
+    """A ratio (`x`) or a percentage that is the quotient of two numbers the
+    same paragraph quotes from the file, to within the page's last digit."""
+    if unit not in ("x", "%") or len(operands) < 2:
         return False
-    held = np.unique(np.asarray([v for v, _ in values], dtype=np.float64))
+    held = np.unique(np.asarray([_value(n) for n in operands], dtype=np.float64))
     held = held[held != 0]
     quotients = held[:, None] / held[None, :] * (100 if unit == "%" else 1)
-    return bool(np.any(np.abs(np.round(quotients, places) - want) < half_step))
+    places = _decimals(number)
+    return bool(np.any(np.abs(np.round(quotients, places) - _value(number)) < 10 ** -places / 2))
 
 
 def unsourced(path: Path, root: Path = ROOT) -> list[str]:
@@ -352,7 +396,9 @@ def unsourced(path: Path, root: Path = ROOT) -> list[str]:
             problems.append(f"{where}: {named} does not exist")
         else:
             values = [v for source in figure.sources for v in numbers_in(source)]
-            absent = [n for n in figure.numbers if not _held(n, figure.unit, values)]
+            operands = [n for n in figure.beside if _held(n, values)]
+            absent = [n for n in figure.numbers if not _held(n, values)
+                      and not _quotient(n, figure.unit, operands)]
             if absent:
                 problems.append(f"{where}: {', '.join(absent)} is not in {named}")
     return problems

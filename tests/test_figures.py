@@ -58,7 +58,7 @@ def _plant(node, number: str, factor: float, name: str = "") -> int:
         if isinstance(value, (dict, list)):
             changed += _plant(value, number, factor, key_name)
         elif (isinstance(value, float)
-              and figures._held(number, "tok/s", figures.leaf_values(value, key_name))):
+              and figures._held(number, figures.leaf_values(value, key_name))):
             node[key] = value * factor
             changed += 1
     return changed

@@ -95,10 +95,14 @@ def test_a_number_changed_in_one_of_the_pair_fails(tmp_path: Path, planted_in: s
     figure = _readme_throughputs(root)[0]
     number, source = figure.numbers[-1], figure.sources[0]
     assert figures.stale_results(root / "bench" / "results") == []
-    target = source.with_suffix(planted_in)
-    text = target.read_text()
-    assert number in text
-    target.write_text(text.replace(number, str(figures._value(number) + 1), 1))
+    if planted_in == ".json":
+        record = json.loads(source.with_suffix(".json").read_text())
+        assert _plant(record, number, 1.5)
+        source.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    else:
+        text = source.read_text()
+        assert number in text
+        source.write_text(text.replace(number, str(figures._value(number) + 1), 1))
     assert any(source.name in p for p in figures.stale_results(root / "bench" / "results"))
 
 

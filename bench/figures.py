@@ -143,7 +143,6 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     },
     "05-continuous-batching/exercises/solutions.md": {
         "not 12x slower": "arithmetic: 24 / 2 prefill steps",
-        "takes ~0.2 s here": "a rough cost",
     },
     "06-openai-server/exercises/README.md": {
         "summing 1.25 s": "the grading test's fixed inputs",
@@ -152,7 +151,6 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
         "(0.5 + 0.75 = 1.25 s)": "the grading test's fixed inputs, summed",
         "(0.125 + 0.25 + 0.25 = 0.625 s)": "the grading test's fixed inputs, summed",
         "= 3.5 s, queue 0.5 + 0.25 = 0.75 s": "the grading test's fixed inputs, summed",
-        "(mean 1.38 s)": "arithmetic on the line: 22.04 / 16",
     },
     "06-openai-server/exercises/solutions-06b.md": {
         "adds about 2.4 ms, 1 %": "a rough cost: half the 32-row time",

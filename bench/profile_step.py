@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render_again(args.render, markdown)
         return 0
-    wait_for_quiet_machine(args.wait_quiet)
+    wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
     max_tokens = args.max_tokens or [64 if s <= 32 else 128 for s in args.seqs]
     start, runs = time.perf_counter(), []
     for dtype in args.dtypes:

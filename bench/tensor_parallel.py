@@ -50,11 +50,19 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUIET_LOAD = 1.5
 
 
+def add_wait_quiet_args(p: argparse.ArgumentParser, wait_s: float = 300.0,
+                        below: float = QUIET_LOAD) -> None:
+    """--wait-quiet and --quiet-load: how long to wait for a quiet machine."""
+    p.add_argument("--wait-quiet", type=float, default=wait_s,
+                   help="seconds to wait for a quiet machine first (0: do not wait)")
+    p.add_argument("--quiet-load", type=float, default=below,
+                   help="quiet: a 1-minute load average below this")
+
+
 def add_quiet_run_args(p: argparse.ArgumentParser) -> None:
     """The flags of a measurement that waits for a quiet machine and writes
     bench/results/ (this module's and bench/vllm_steps.py's)."""
-    p.add_argument("--wait-quiet", type=float, default=300.0,
-                   help="seconds to wait for a load average below 1.5 (0: do not wait)")
+    add_wait_quiet_args(p)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="measure nothing: write the markdown of a results file again")
@@ -65,10 +73,10 @@ def render_again(results_json: Path, markdown: Callable[[dict], str]) -> None:
     results_json.with_suffix(".md").write_text(markdown(json.loads(results_json.read_text())))
 
 
-def wait_for_quiet_machine(max_wait_s: float) -> float:
-    """Wait until the 1-minute load average is below QUIET_LOAD (or give up)."""
+def wait_for_quiet_machine(max_wait_s: float, below: float = QUIET_LOAD) -> float:
+    """Wait until the 1-minute load average is below `below` (or give up)."""
     deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
         print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quiet machine",
               file=sys.stderr)
         time.sleep(15)
@@ -225,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         render_again(args.render, markdown)
         return 0
-    load_average = wait_for_quiet_machine(args.wait_quiet)
+    load_average = wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
     when = datetime.datetime.now()
     tokenizer = load_model("smollm2", "float32", "cpu").tokenizer  # for the prompts
     prompts = [apply_chat_template(tokenizer, prompt_messages(i)) for i in range(args.clients)]

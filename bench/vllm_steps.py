@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    load_average = wait_for_quiet_machine(args.wait_quiet)
+    load_average = wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     when, start = datetime.datetime.now(), time.perf_counter()
     steps = run_steps(set(args.steps))

@@ -2,20 +2,22 @@
 
     flock /tmp/cpu.lock .venv/bin/python 05-continuous-batching/exercises/measure.py
 
-Runs, one after another (about 2 minutes on 2 quiet cores):
+Runs, one after another (about 3 minutes on 2 quiet cores):
 
-1. the README's load tests: 16 clients x 64 tokens on the 0.75 GiB card
-   (twice: with prefix caching on, how many requests find the system
-   prompt's block cached depends on when each arrives, so the counts may
-   differ), the same with `--no-enable-prefix-caching` (the answers before
-   chapter 05 turned it on), and on the 1.1 GiB demo card;
+1. the README's load tests: 16 clients x 64 tokens on the 0.75 GiB card,
+   three times (`--repeats`: with prefix caching on, how many requests
+   find the system prompt's block cached depends on when each arrives,
+   so the counts differ from run to run), once with
+   `--no-enable-prefix-caching` (the answers before chapter 05 turned it
+   on), and once on the 1.1 GiB demo card;
 2. 16 clients x 32 tokens on the demo card with a token budget of 32
-   (`--max-num-batched-tokens 32`), then 512, the default;
+   (`--max-num-batched-tokens 32`) and 512, the default, in turn, three
+   times each; their medians in `budget_medians`;
 3. the engine alone, in-process: all 16 prompts added at once,
    `LLMEngine.step` until done, for budgets 512 and 32, prefix caching on
    (as the servers) and off: steps in all, steps that computed prompt
    tokens, prompt tokens computed, the median time of a step of each kind
-   (after a warm-up run).
+   and every step's tokens and time (after a warm-up run).
 
 It first waits (up to `--wait-quiet` seconds) for the load average to fall
 below 0.7 (`--quiet-load`): the speeds depend on what else runs on the machine.
@@ -32,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -42,27 +43,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def wait_for_quiet_machine(max_wait_s: float, below: float) -> None:
-    """Wait until the 1-minute load average is below `below` (or give up)."""
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quiet machine",
-              file=sys.stderr, flush=True)
-        time.sleep(10)
+from bench.bench import machine as bench_machine  # noqa: E402
+from bench.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 
 
 def machine() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
-    return {
-        "date": datetime.date.today().isoformat(),
-        "cpu": model.group(1).strip() if model else "unknown",
-        "cores": os.cpu_count(),
-        "bf16_flags": sorted(set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo))),
-        "load_average_at_start": list(os.getloadavg()),
-    }
+    """The bench's record of the machine (CPU model, cores, bf16 support,
+    versions), with the date and the load average at the start."""
+    return {**bench_machine(), "date": datetime.date.today().isoformat(),
+            "load_average_at_start": list(os.getloadavg())}
 
 
 def loadtest(args: list[str], port: int) -> dict:
@@ -108,14 +99,17 @@ def steps(budget: int, prefix_caching: bool, loaded) -> dict:
                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     total = prefill_steps = 0
     prefill_ms, decode_ms = [], []  # one step's wall time, by kind
+    per_step = []  # [tokens (prompt computed + sampled), ms] of every step
     started = time.monotonic()
     while engine.has_unfinished_requests():
-        before = engine.stats.prompt_tokens
+        prompt_before, generated_before = engine.stats.prompt_tokens, engine.stats.generation_tokens
         t0 = time.perf_counter()
         engine.step()
         ms = (time.perf_counter() - t0) * 1000
         total += 1
-        if engine.stats.prompt_tokens > before:
+        prompt = engine.stats.prompt_tokens - prompt_before
+        per_step.append([prompt + engine.stats.generation_tokens - generated_before, round(ms, 1)])
+        if prompt:
             prefill_steps += 1
             prefill_ms.append(ms)
         else:
@@ -129,6 +123,8 @@ def steps(budget: int, prefix_caching: bool, loaded) -> dict:
             "prefix_cache_queries_tokens": snap["prefix_cache_queries"],
             "median_ms_step_with_prompt_tokens": round(statistics.median(prefill_ms), 1),
             "median_ms_decode_only_step": round(statistics.median(decode_ms), 1),
+            "first_step_tokens_and_ms": per_step[0],
+            "tokens_and_ms_per_step": per_step,
             "wall_s": round(time.monotonic() - started, 1)}
 
 
@@ -138,35 +134,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path,
                    default=HERE / "results" / f"measured-{datetime.date.today()}.json")
     p.add_argument("--skip-steps", action="store_true", help="only the load tests")
-    p.add_argument("--wait-quiet", type=float, default=180.0,
-                   help="seconds to wait for a quiet machine first (0: do not wait)")
-    p.add_argument("--quiet-load", type=float, default=0.7,
-                   help="quiet: a 1-minute load average below this")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of the 0.75 GiB load with prefix caching, and of each budget")
+    add_wait_quiet_args(p, wait_s=180.0, below=0.7)
     args = p.parse_args(argv)
     wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
 
-    card = ["--dtype", "float32"]
-    runs = {
-        "card_0.75_64_tokens": ["--clients", "16", "--max-tokens", "64",
-                                "--device-memory-gb", "0.75", *card],
-        "card_0.75_64_tokens_again": ["--clients", "16", "--max-tokens", "64",
-                                      "--device-memory-gb", "0.75", *card],
-        "card_0.75_64_tokens_no_prefix_caching": ["--clients", "16", "--max-tokens", "64",
-                                                  "--device-memory-gb", "0.75", *card,
-                                                  "--no-enable-prefix-caching"],
-        "card_1.1_64_tokens": ["--clients", "16", "--max-tokens", "64",
-                               "--device-memory-gb", "1.1", *card],
-        "budget_32": ["--clients", "16", "--max-tokens", "32", "--device-memory-gb", "1.1",
-                      *card, "--max-num-batched-tokens", "32"],
-        "budget_512": ["--clients", "16", "--max-tokens", "32", "--device-memory-gb", "1.1",
-                       *card],
-    }
+    load64 = ["--clients", "16", "--max-tokens", "64", "--dtype", "float32"]
+    load32 = ["--clients", "16", "--max-tokens", "32", "--dtype", "float32",
+              "--device-memory-gb", "1.1"]
+    runs = {}
+    for i in range(1, args.repeats + 1):  # how many requests hit the cache varies
+        runs[f"card_0.75_64_tokens_run{i}"] = [*load64, "--device-memory-gb", "0.75"]
+    runs["card_0.75_64_tokens_no_prefix_caching"] = [*load64, "--device-memory-gb", "0.75",
+                                                     "--no-enable-prefix-caching"]
+    runs["card_1.1_64_tokens"] = [*load64, "--device-memory-gb", "1.1"]
+    for i in range(1, args.repeats + 1):  # the two budgets in turn, so both see the same noise
+        runs[f"budget_32_run{i}"] = [*load32, "--max-num-batched-tokens", "32"]
+        runs[f"budget_512_run{i}"] = [*load32]
     record = {"machine": machine(), "runs": {}}
     for name, run_args in runs.items():
         print(f"--- {name}", file=sys.stderr, flush=True)
         record["runs"][name] = loadtest(run_args, args.port)
+    record["budget_medians"] = {}
+    for budget in (32, 512):
+        summaries = [r["summary"] for name, r in record["runs"].items()
+                     if name.startswith(f"budget_{budget}_")]
+        record["budget_medians"][str(budget)] = {
+            key: round(statistics.median(s[key] for s in summaries), 2)
+            for key in ("output_tokens_per_s", "e2e_p50_s", "e2e_p95_s")}
+        record["budget_medians"][str(budget)]["prompt_tokens"] = [
+            s["server_stats"]["prompt_tokens"] for s in summaries]
     if not args.skip_steps:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        sys.path.insert(0, str(ROOT))
         from common.loader import load_model
         loaded = load_model()
         steps(512, True, loaded)  # a warm-up run: the first forward passes are slow

@@ -36,30 +36,20 @@ import requests
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench import machine as bench_machine  # noqa: E402
+from bench.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
                      r"time_to_first_token_seconds_count)\{")
 
 
-def wait_for_quiet_machine(max_wait_s: float, below: float) -> None:
-    """Wait until the 1-minute load average is below `below` (or give up)."""
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quiet machine",
-              file=sys.stderr, flush=True)
-        time.sleep(10)
-
-
 def machine() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
-    return {
-        "date": datetime.date.today().isoformat(),
-        "cpu": model.group(1).strip() if model else "unknown",
-        "cores": os.cpu_count(),
-        "bf16_flags": sorted(set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo))),
-        "load_average_at_start": list(os.getloadavg()),
-    }
+    """The bench's record of the machine (CPU model, cores, bf16 support,
+    versions), with the date and the load average at the start."""
+    return {**bench_machine(), "date": datetime.date.today().isoformat(),
+            "load_average_at_start": list(os.getloadavg())}
 
 
 def wait_up(base: str, server: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -88,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--date", default=datetime.date.today().isoformat())
     p.add_argument("--no-enable-prefix-caching", action="store_true",
                    help="pass it to the server (files named ...-no-prefix-caching-...)")
-    p.add_argument("--wait-quiet", type=float, default=180.0,
-                   help="seconds to wait for a quiet machine first (0: do not wait)")
-    p.add_argument("--quiet-load", type=float, default=0.7,
-                   help="quiet: a 1-minute load average below this")
+    add_wait_quiet_args(p, wait_s=180.0, below=0.7)
     args = p.parse_args(argv)
     wait_for_quiet_machine(args.wait_quiet, args.quiet_load)
     base = f"http://127.0.0.1:{args.port}"

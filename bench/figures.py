@@ -91,13 +91,18 @@ def rendered(json_path: Path) -> str | None:
     return None if render is None else render(record)
 
 
+def renderable(results: Path = RESULTS):
+    """(markdown path, what it should say) for each results file a script renders."""
+    for json_path in sorted(results.glob("*.json")):
+        text = rendered(json_path)
+        if text is not None:
+            yield json_path.with_suffix(".md"), text
+
+
 def stale_results(results: Path = RESULTS) -> list[str]:
     """Results files whose .md is not what their .json renders to."""
     stale = []
-    for json_path in sorted(results.glob("*.json")):
-        text, md = rendered(json_path), json_path.with_suffix(".md")
-        if text is None:
-            continue
+    for md, text in renderable(results):
         if not md.exists():
             stale.append(f"{md.name}: missing (its .json renders one)")
         elif md.read_text() != text:
@@ -222,17 +227,17 @@ class Section:
         return tuple(dict.fromkeys(resolve(name, page, root)
                                    for name in RESULTS_FILE.findall(text)))
 
-
-    def paragraph_of(self, line_number: int) -> str:
-        """The lines around this one up to the nearest blank lines."""
-        texts = [text for _, text in self.lines]
-        at = [n for n, _ in self.lines].index(line_number)
-        start, end = at, at
-        while start > 0 and texts[start - 1].strip():
-            start -= 1
-        while end + 1 < len(texts) and texts[end + 1].strip():
-            end += 1
-        return "\n".join(texts[start:end + 1])
+    def paragraphs(self) -> dict[int, str]:
+        """Line number -> its paragraph (the lines up to the nearest blank ones)."""
+        of_line, run = {}, []
+        for number, text in [*self.lines, (0, "")]:  # a blank line closes the last one
+            if text.strip():
+                run.append((number, text))
+                continue
+            paragraph = "\n".join(line for _, line in run)
+            of_line.update({n: paragraph for n, _ in run})
+            of_line[number], run = text, []
+        return of_line
 
 
 def sections(path: Path) -> list[Section]:
@@ -286,8 +291,9 @@ def figures(path: Path, root: Path = ROOT) -> list[Figure]:
     found = []
     for section in sections(path):
         sources = section.sources(path, root)
+        paragraphs = section.paragraphs()
         for number, line in section.lines:
-            beside = tuple(re.findall(NUMBER, section.paragraph_of(number)))
+            beside = tuple(re.findall(NUMBER, paragraphs[number]))
             for match in FIGURE.finditer(line):
                 if _is_figure(match, line):
                     unit = next(u for u in match.groups()[1:] if u)
@@ -382,6 +388,7 @@ def unsourced(path: Path, root: Path = ROOT) -> list[str]:
     page = str(path.relative_to(root))
     excused = NOT_MEASURED.get(page, {})
     lines = path.read_text().splitlines()
+    held: dict[tuple[Path, ...], list[Held]] = {}  # the numbers of a section's files
     problems = []
     for figure in figures(path, root):
         if any(piece in lines[figure.line - 1] for piece in excused):
@@ -393,7 +400,9 @@ def unsourced(path: Path, root: Path = ROOT) -> list[str]:
         elif not any(s.exists() for s in figure.sources):
             problems.append(f"{where}: {named} does not exist")
         else:
-            values = [v for source in figure.sources for v in numbers_in(source)]
+            if figure.sources not in held:
+                held[figure.sources] = [v for s in figure.sources for v in numbers_in(s)]
+            values = held[figure.sources]
             operands = [n for n in figure.beside if _held(n, values)]
             absent = [n for n in figure.numbers if not _held(n, values)
                       and not _quotient(n, figure.unit, operands)]
@@ -481,16 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
     args = p.parse_args(argv)
     if not args.check:
-        for json_path in sorted(RESULTS.glob("*.json")):
-            text = rendered(json_path)
-            if text is not None and (not json_path.with_suffix(".md").exists()
-                                     or json_path.with_suffix(".md").read_text() != text):
-                json_path.with_suffix(".md").write_text(text)
-                print(f"wrote {json_path.with_suffix('.md').relative_to(ROOT)}")
+        for md, text in renderable():
+            if not md.exists() or md.read_text() != text:
+                md.write_text(text)
+                print(f"wrote {md.relative_to(ROOT)}")
         for page in pages():
             text = page.read_text()
-            if with_tables(text) != text:
-                page.write_text(with_tables(text))
+            written = with_tables(text)
+            if written != text:
+                page.write_text(written)
                 print(f"wrote the tables of {page.relative_to(ROOT)}")
     problems = stale_results() + [p for page in pages() for p in
                                   stale_tables(page) + unsourced(page) + misquoted(page)]

@@ -32,8 +32,8 @@ from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import ROOT, ChapterServer, free_port, prompt_messages, run_load
 
 RESULTS_DIR = ROOT / "bench" / "results"
-CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 40, "temperature": 0}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = {"messages": FRANCE, "max_tokens": 40, "temperature": 0}  # the chapters' curl
 STORY = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 40}
 
 
@@ -54,14 +54,13 @@ def chat_and_stats(chapter: str) -> dict:
 
 
 # Chapter 06's README: the requests it shows with curl, as it writes them.
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CITY_SCHEMA = {"type": "object",
                "properties": {"name": {"type": "string"}, "country": {"type": "string"},
                               "population": {"type": "integer", "minimum": 0,
                                              "maximum": 100000000}},
                "required": ["name", "country", "population"]}
 CH06_REQUESTS = [
-    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 40, "temperature": 0}),
+    ("/v1/chat/completions", CHAT),
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 12, "temperature": 0,
                               "stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"prompt": "The three primary colors are", "max_tokens": 16,

@@ -49,12 +49,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.figures import FENCE, ROOT
+from bench.figures import pages as learner_pages
+
 pytestmark = pytest.mark.slides
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", *ROOT.glob("bench/README.md"), *ROOT.glob("0*/README.md"),
-                *ROOT.glob("0*/slides.md"), *ROOT.glob("0*/exercises/*.md"),
-                *ROOT.glob("GLOSSARY.md")])
+PAGES = learner_pages()
 COURSE_FOLDERS = ["common", "bench", "tests", *sorted(p.name for p in ROOT.glob("0*"))]
 # The course's own code only: not the virtual environments or llama.cpp's sources
 # that `make` puts in hidden folders, nor this file, whose strings would vouch for anything.
@@ -101,7 +101,6 @@ EXTERNAL_COMMANDS = {
     "curl", "git", "pip", "mdp", "source", "guidellm", "llama-server",
 }
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)
-FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 PATH = re.compile(r"(?<![\w/.-])((?:common|bench|tests|0\d-[a-z-]+)/[\w./*-]*[\w*])")
 DOTTED_MODULE = re.compile(r"(?<![\w/.-])((?:common|bench|tests)(?:\.\w+)+)\b")
 MEMBER = re.compile(r"\b([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)\b")
@@ -504,6 +503,11 @@ def test_pages_quote_only_code_that_exists(path: Path) -> None:
     assert not found, f"{len(found)} stale quote(s) in {_name(path)}:\n" + "\n".join(found)
 
 
+def planted_problems(page: Path) -> set[str]:
+    """What the lint says of a scratch page, without its "page.md:N: " prefix."""
+    return {found.split(": ", 1)[1] for found in problems(page, "page.md")}
+
+
 def test_the_lint_catches_a_stale_quote(tmp_path: Path) -> None:
     """Quotes that were stale once, one of each kind."""
     page = tmp_path / "page.md"
@@ -511,7 +515,7 @@ def test_the_lint_catches_a_stale_quote(tmp_path: Path) -> None:
                     "`common/openai_api.py` and `common.engine_server`;\n"
                     "`OpenAIServing.final_outputs` and `AsyncLLM.generate`.\n"
                     "File: `bench/results/1999-01-01-vm.md`.\n")
-    found = {f.split(": ", 1)[1] for f in problems(page, "page.md")}
+    found = planted_problems(page)
     assert found == {
         "`merge_deltas` is not in the course's code",
         "`sent_text` is not in the course's code",
@@ -540,7 +544,7 @@ def test_the_lint_catches_a_stale_flag(tmp_path: Path) -> None:
         "```\n"
         "Chapter 06 takes `--max-waitng`; `python -m bench.bench --peer vllm`;\n"
         "`pytest -m ex04 --exercise 04 --exercice 04`.\n")
-    found = {f.split(": ", 1)[1] for f in problems(page, "page.md")}
+    found = planted_problems(page)
     assert found == {
         "--max-num-seq is not a flag of 05-continuous-batching/server.py",
         "--max-waiting is not a flag of 02-minimal-pytorch-inference/server.py",
@@ -564,7 +568,7 @@ def test_the_lint_catches_a_stale_make_target_or_knob(tmp_path: Path) -> None:
         "```text\n"
         "make room for its newest token           (pseudo-code, not a command)\n"
         "```\n")
-    found = {f.split(": ", 1)[1] for f in problems(page, "page.md")}
+    found = planted_problems(page)
     assert found == {
         "make target bench-peers is not in the Makefile",
         "make knob CLIENT is not read by the Makefile",
@@ -582,7 +586,7 @@ def test_the_lint_catches_a_broken_link(tmp_path: Path) -> None:
         "[gone](missing.md), [stale](other.md#the-finished-engine), [no](#nowhere),\n"
         "![figure](figs/chapters.png), `[in code](not-checked.md)`.\n"
         "\n# Links\n")
-    found = {f.split(": ", 1)[1] for f in problems(page, "page.md")}
+    found = planted_problems(page)
     assert found == {
         "link target missing.md does not exist",
         "link anchor #the-finished-engine is not a heading of other.md",

@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             s["server_stats"]["prompt_tokens"] for s in summaries]
     if not args.skip_steps:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        sys.path.insert(0, str(ROOT))
         from common.loader import load_model
         loaded = load_model()
         steps(512, True, loaded)  # a warm-up run: the first forward passes are slow

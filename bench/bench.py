@@ -20,10 +20,10 @@ whose `server.py` is not written yet is skipped, and its row says so.
 
 The same load runs over HTTP against servers that are not ours: any running
 OpenAI-compatible server (`--url`, one row each), and, with `--peers`, the
-real vLLM (`vllm`: `make vllm` installs it, bench/vllm_peer.py starts it on
+real vLLM (`vllm`: `make vllm` installs it, bench/peers/vllm_peer.py starts it on
 the embedded model, once in float32 and once in bfloat16, with the
 chapters' `--max-num-seqs` and `--max-num-batched-tokens`) and llama.cpp's
-`llama-server` (bench/llamacpp.py). A peer that is not installed or built
+`llama-server` (bench/peers/llamacpp.py). A peer that is not installed or built
 gives a row that says how to get it. With the vLLM peer and chapter 06,
 chapter 06 also runs in bfloat16 (the `bfloat16` lever), so that each
 vLLM row has a chapter 06 row of its dtype: the `x vLLM` column divides
@@ -75,7 +75,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from bench import llamacpp, vllm_peer
+from bench.peers import llamacpp, vllm_peer
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
@@ -216,7 +216,7 @@ def lever_dtype(lever: str, s: Settings) -> str | None:
 
 def lever_entries(s: Settings) -> list[Entry]:
     """Chapter 06 again, on the same card and load, with each lever's flags
-    (bench/levers.py measures the same levers in-process, quality too)."""
+    (bench/experiments/levers.py measures the same levers in-process, quality too)."""
     return [Entry(f"06 {lever}", "06", card_gb=s.card_gb, clients=s.clients,
                   requests=s.requests, max_tokens=s.max_tokens, stream=True,
                   server_flags=LEVER_FLAGS[lever], note=" ".join(LEVER_FLAGS[lever]),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-shot GPU check (bench/gpu_check.py), for a GPU machine that has
+# The one-shot GPU check (bench/gpu/gpu_check.py), for a GPU machine that has
 # torch, triton and transformers but not the web stack: install the wheels
 # of .whl/ (made here by `make gpu-wheels`) into /tmp/site, then run it.
 #
@@ -14,4 +14,4 @@ else
     export PYTHONPATH="$PWD"
 fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -m bench.gpu_check --out "${OUT:-bench/results/gpu-check}" "$@"
+python3 -m bench.gpu.gpu_check --out "${OUT:-bench/results/gpu-check}" "$@"

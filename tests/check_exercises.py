@@ -1,6 +1,6 @@
 """Does each exercise's grader discriminate? (`make exercises-check`, CI.)
 
-For every exercise (01..06, and chapter 06's 06b and 06c: EXERCISES in
+For every exercise (01..06, and chapter 06's 07a and 07b: EXERCISES in
 tests/components.py), the grading tests (`-m exNN`) run on the untouched
 stubs of `NN-*/exercises/` (`--exercise NN`), where every one must fail,
 and fail because of the stub (NotImplementedError), not because of a
@@ -10,7 +10,7 @@ shows (they are part of it, so CI does not run them twice);
 runs, for every exercise).
 
     python -m tests.check_exercises                 # every exercise's stub
-    python -m tests.check_exercises 04 06b          # some
+    python -m tests.check_exercises 04 07a          # some
     python -m tests.check_exercises --reference     # and the references
 """
 from __future__ import annotations

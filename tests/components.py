@@ -48,11 +48,14 @@ EXERCISES = {
                    ("ContinuousScheduler",), "common/engine/scheduler.py"),
     "06": Exercise("06", "06-openai-server", "metrics.py",
                    ("EngineCollector", "LatencyStatLogger"), "common/entrypoints/metrics.py"),
-    # chapter 06's second and third: structured outputs, speculative decoding
-    "06b": Exercise("06b", "06-openai-server", "token_bitmask.py",
+    # chapter 07's two: structured outputs, speculative decoding
+    "07a": Exercise("07a", "07-structured-and-speculative", "token_bitmask.py",
                     ("apply_token_bitmask",), "common/layers/token_bitmask.py"),
-    "06c": Exercise("06c", "06-openai-server", "rejection_sampler.py",
+    "07b": Exercise("07b", "07-structured-and-speculative", "rejection_sampler.py",
                     ("rejection_sample",), "common/layers/rejection_sampler.py"),
+    # chapter 08: int8 weight-only quantization of one linear layer
+    "08": Exercise("08", "08-levers-and-the-real-vllm", "quantization.py",
+                   ("quantize_int8", "int8_linear"), "common/layers/quantization.py"),
 }
 
 

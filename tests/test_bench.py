@@ -12,7 +12,8 @@ import pytest
 import requests
 import torch
 
-from bench import bench, llamacpp
+from bench import bench
+from bench.peers import llamacpp
 from bench.loadtest import CHAPTERS, prompt_messages
 
 pytestmark = pytest.mark.bench

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.figures import FENCE, ROOT
-from bench.figures import pages as learner_pages
+from bench.pages.figures import FENCE, ROOT
+from bench.pages.figures import pages as learner_pages
 
 pytestmark = pytest.mark.slides
 
@@ -93,7 +93,7 @@ EXTERNAL = {
 EXTERNAL_FLAGS: set[str] = {
     # vLLM's engine arguments (docs.vllm.ai, "Engine Arguments"), quoted in chapter 05
     "--max-num-partial-prefills",
-    # GuideLLM 0.8.1's `guidellm run` (bench/guidellm_check.py builds the command)
+    # GuideLLM 0.8.1's `guidellm run` (bench/peers/guidellm_check.py builds the command)
     "--profile", "--constraint", "--data", "--tokenizer",
 }
 # Tools that are not the course's: the flags on their lines are left alone.

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from bench import gpu_check
+from bench.gpu import gpu_check
 
 pytestmark = pytest.mark.bench
 

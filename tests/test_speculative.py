@@ -1,6 +1,6 @@
 """Speculative decoding (ch06): n-gram drafts, checked in one pass, lossless.
 
-The grading tests of exercise 06c (`make exercise CH=06c`) are marked ex06c:
+The grading tests of exercise 07b (`make exercise CH=07b`) are marked ex07b:
 the learner's `rejection_sample`, checked statistically (it must keep the
 model's distribution) and on the greedy and seeded rules.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.vllm_diff import PROMPT_SET
+from bench.peers.vllm_diff import PROMPT_SET
 from common.config import SpeculativeConfig
 from common.engine.ngram_proposer import NgramProposer
 from common.layers.rejection_sampler import greedy_verify
@@ -25,7 +25,7 @@ REPEAT = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grap
           "lemons, limes, figs, dates, melons.")
 
 
-# ---------------------------------------------- exercise 06c: the rule itself
+# ---------------------------------------------- exercise 07b: the rule itself
 def first_token_frequencies(sample, probs: torch.Tensor, drafts: list[int],
                             trials: int) -> torch.Tensor:
     """How often each token comes out first, over `trials` calls of `sample`."""
@@ -55,7 +55,7 @@ def no_residual(probs: torch.Tensor, drafts: list[int], gen) -> list[int]:
 TOY = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]])  # (k + 1, vocab)
 
 
-@pytest.mark.ex06c
+@pytest.mark.ex07b
 def test_the_first_token_keeps_the_target_distribution(impl):
     """20,000 trials: the first token emitted is distributed as p, whatever
     the draft; the same check catches the rule without its residual."""
@@ -67,7 +67,7 @@ def test_the_first_token_keeps_the_target_distribution(impl):
         assert not close_to(wrong, TOY[0], trials), "the check must catch a missing residual"
 
 
-@pytest.mark.ex06c
+@pytest.mark.ex07b
 def test_after_an_accepted_draft_the_next_row_decides(impl):
     """Two drafts: given the first is accepted, the second token is
     distributed as row 1 (the model's distribution after the first draft)."""
@@ -82,7 +82,7 @@ def test_after_an_accepted_draft_the_next_row_decides(impl):
     assert close_to(seconds / trials, probs[1], trials), seconds / trials
 
 
-@pytest.mark.ex06c
+@pytest.mark.ex07b
 def test_one_hot_rows_are_greedy_and_a_seed_replays(impl):
     """One-hot rows (greedy): drafts equal to the argmax are all accepted
     with a bonus; the first mismatch emits the argmax and stops."""

@@ -1,6 +1,6 @@
 """Structured outputs (ch06): xgrammar's token masks, in the engine and over HTTP.
 
-The grading tests of exercise 06b (`make exercise CH=06b`) are marked ex06b:
+The grading tests of exercise 07a (`make exercise CH=07a`) are marked ex07a:
 the learner's `apply_token_bitmask` against xgrammar's own kernel, and in a
 generation loop whose every answer must validate.
 """
@@ -63,8 +63,8 @@ def engine(embedded):
     return make_engine(embedded)
 
 
-# --------------------------------------------------- exercise 06b: the mask
-@pytest.mark.ex06b
+# --------------------------------------------------- exercise 07a: the mask
+@pytest.mark.ex07a
 @pytest.mark.parametrize("vocab", [49152, 100, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_token_bitmask_equals_xgrammars_kernel(impl, vocab, dtype):
@@ -83,7 +83,7 @@ def test_apply_token_bitmask_equals_xgrammars_kernel(impl, vocab, dtype):
     assert torch.isinf(ours[1]).all() and torch.equal(ours[0], logits[0])
 
 
-@pytest.mark.ex06b
+@pytest.mark.ex07a
 def test_a_masked_generation_loop_always_validates(impl, embedded):
     """The learner's mask in a plain generation loop (no engine), sampled at
     temperature 1: every answer parses and validates against its schema."""

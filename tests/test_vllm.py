@@ -1,5 +1,5 @@
 """Differential tests: chapter 06 against the real vLLM, both in float32,
-greedy (`make vllm-check`; bench/vllm_diff.py does the comparing).
+greedy (`make vllm-check`; bench/peers/vllm_diff.py does the comparing).
 
 They need the real vLLM (`make vllm`, its own venv) and skip with that
 reason without it. One vLLM server and one chapter 06 server serve the
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from bench import vllm_diff, vllm_peer
+from bench.peers import vllm_diff, vllm_peer
 from bench.loadtest import ROOT, free_port
 
 NOT_INSTALLED = vllm_peer.missing()

@@ -46,7 +46,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench import machine as bench_machine  # noqa: E402
-from bench.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
+from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 
 
 def machine() -> dict:

@@ -39,7 +39,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench import machine as bench_machine  # noqa: E402
-from bench.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
+from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
                      r"time_to_first_token_seconds_count)\{")

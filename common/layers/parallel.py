@@ -89,7 +89,7 @@ def vocab_shard(weight: torch.Tensor, rank: int, world_size: int) -> nn.Paramete
 # -------------------------------------------------------- the collectives
 @dataclass
 class CommStats:
-    """What this rank's collectives moved (bench/tensor_parallel.py reads it)."""
+    """What this rank's collectives moved (bench/experiments/tensor_parallel.py reads it)."""
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0  # size of each all-reduced tensor, summed
     all_reduce_seconds: float = 0.0  # waiting in them (on CUDA: launching them only)

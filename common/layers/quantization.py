@@ -25,7 +25,7 @@ implementations, one interface (`QuantOps.quantize` stores a weight,
    (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, the
    ones torchao uses). Their fast path takes bfloat16 activations, so a
    float32 model's activations are rounded to bfloat16 for these matmuls
-   (measured, with its quality cost, in bench/levers.py).
+   (measured, with its quality cost, in bench/experiments/levers.py).
 3. `common.layers.quant_kernels`: Triton kernels for CUDA that dequantize
    tiles of the weight in registers (tested on the CPU under the interpreter).
 
@@ -173,7 +173,7 @@ class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, scheme: QuantScheme | str, ops):
         super().__init__()
         try:
-            self.scheme = QuantScheme(scheme)  # "int8" too (bench/gpu_kernels_check.py)
+            self.scheme = QuantScheme(scheme)  # "int8" too (bench/gpu/gpu_kernels_check.py)
         except ValueError:
             raise ValueError(f"unknown quantization {scheme!r}: choose from "
                              f"{tuple(map(str, QuantScheme))}") from None

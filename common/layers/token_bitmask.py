@@ -16,7 +16,7 @@ a large enough logit would still win, and the JSON would break.
 vLLM applies it with xgrammar's kernel (`xgr.apply_token_bitmask_inplace`,
 CUDA or Triton on a GPU); this is the same operation in PyTorch, short
 enough to read, and tests/test_structured_outputs.py checks it against
-xgrammar's on random masks. It is exercise 06b's first task.
+xgrammar's on random masks. It is exercise 07a's first task.
 
 Left out: a fused kernel (this unpacks the bits into a (num_rows, vocab)
 bool tensor first).

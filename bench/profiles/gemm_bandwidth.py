@@ -1,6 +1,6 @@
 """Why a decode step's matrix products stop where they do (ch05): bytes, not FLOPs.
 
-    python -m bench.gemm_bandwidth
+    python -m bench.profiles.gemm_bandwidth
 
 At decode batch sizes a product does few FLOPs per weight byte (2 x rows
 per weight, so 64 FLOP per byte of bfloat16 at 64 rows): it waits for its
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 if dtype == torch.float32 or packs_weights(torch.zeros(1, dtype=dtype))
                 for rows in (32, 64) for name, shape in PRODUCTS.items()]
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": machine(), "command": "python -m bench.gemm_bandwidth",
+           "machine": machine(), "command": "python -m bench.profiles.gemm_bandwidth",
            "read_gb_s": read_bandwidth_gb_s(), "products": products,
            "mkl": mkl_packed_rows() if torch.backends.mkl.is_available() else None,
            "minutes": (time.perf_counter() - begin) / 60}

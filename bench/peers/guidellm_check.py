@@ -2,7 +2,7 @@
 
     make guidellm CH=05 CLIENTS=8 REQUESTS=2 MAX_TOKENS=32
     make guidellm URL=http://127.0.0.1:8080 CLIENTS=8 REQUESTS=2 MAX_TOKENS=32
-    python -m bench.guidellm_check --chapter 05 --clients 8 --requests 2 --max-tokens 32
+    python -m bench.peers.guidellm_check --chapter 05 --clients 8 --requests 2 --max-tokens 32
 
 GuideLLM (PyPI `guidellm`) is the benchmark tool vLLM's documentation
 recommends. It lives in its own venv (`.guidellm-venv/`, which `make guidellm`

@@ -1,8 +1,8 @@
 """The source article's five steps, run for real on a CPU with the real vLLM (bench).
 
-    python -m bench.vllm_steps            # = make vllm-steps (6.5 min measured, 2 quiet cores)
-    python -m bench.vllm_steps --steps 1 5
-    python -m bench.vllm_steps --render bench/results/DATE-HOST-vllm-steps.json
+    python -m bench.peers.vllm_steps            # = make vllm-steps (6.5 min measured, 2 quiet cores)
+    python -m bench.peers.vllm_steps --steps 1 5
+    python -m bench.peers.vllm_steps --render bench/results/DATE-HOST-vllm-steps.json
 
 The article walks through five steps with vLLM on a GPU: install it, `vllm
 serve` a model, talk to it with the `openai` client, run `LLM.generate`
@@ -53,8 +53,8 @@ import requests
 
 from bench.bench import bf16_words, machine
 from bench.loadtest import ROOT, ChapterServer, free_port, kill_process_group
-from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
-from bench.vllm_peer import (
+from bench.experiments.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
+from bench.peers.vllm_peer import (
     DEFAULT_KV_GB,
     INSTALL_COMMAND,
     PYTHON,
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = run_steps(set(args.steps))
     given = argv if argv is not None else sys.argv[1:]
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": " ".join(["python -m bench.vllm_steps", *given]),
+           "command": " ".join(["python -m bench.peers.vllm_steps", *given]),
            "duration_s": time.perf_counter() - start, "machine": machine(with_vllm=True),
            "load_average_at_start": load_average, "steps": steps}
     args.out_dir.mkdir(parents=True, exist_ok=True)

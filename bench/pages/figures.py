@@ -1,8 +1,8 @@
 """Every figure from its results file: the check behind `make figures` and
 tests/test_figures.py.
 
-    python -m bench.figures            # write every results .md from its .json, then check the pages
-    python -m bench.figures --check    # change nothing: list what is stale (exit 1 if anything is)
+    python -m bench.pages.figures            # write every results .md from its .json, then check the pages
+    python -m bench.pages.figures --check    # change nothing: list what is stale (exit 1 if anything is)
 
 Three checks tie a measurement to the sentence that quotes it:
 
@@ -28,7 +28,7 @@ Three checks tie a measurement to the sentence that quotes it:
 
 A quoted sample output (a log, `/stats`, an answer) right after a line
 naming a `*-samples.md` file must be in that file line for line
-(`misquoted`; bench/samples.py captures them).
+(`misquoted`; bench/pages/samples.py captures them).
 
 Left out: figures in other units (MiB, blocks) are arithmetic the course
 shows its working for, checked by the tests of common/memory.py; a figure
@@ -45,23 +45,23 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
 # The module a results file's `command` runs -> the function that writes its .md.
 RENDERERS = {
     "bench.bench": "render_markdown",
     "common.bench": "render_markdown",  # bench/bench.py's earlier home (2026-11-30 files)
-    "bench.fairness": "render",
-    "bench.gemm_bandwidth": "markdown",
-    "bench.levers": "markdown",
-    "bench.profile_step": "markdown",
-    "bench.spec_decode": "markdown",
-    "bench.structured_outputs": "markdown",
-    "bench.tensor_parallel": "markdown",
-    "bench.vllm_diff": "render_markdown",
-    "bench.vllm_steps": "markdown",
-    "bench.samples": "markdown",
+    "bench.experiments.fairness": "render",
+    "bench.profiles.gemm_bandwidth": "markdown",
+    "bench.experiments.levers": "markdown",
+    "bench.profiles.profile_step": "markdown",
+    "bench.experiments.spec_decode": "markdown",
+    "bench.experiments.structured_outputs": "markdown",
+    "bench.experiments.tensor_parallel": "markdown",
+    "bench.peers.vllm_diff": "render_markdown",
+    "bench.peers.vllm_steps": "markdown",
+    "bench.pages.samples": "markdown",
 }
 
 
@@ -157,7 +157,7 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
         "(0.125 + 0.25 + 0.25 = 0.625 s)": "the grading test's fixed inputs, summed",
         "= 3.5 s, queue 0.5 + 0.25 = 0.75 s": "the grading test's fixed inputs, summed",
     },
-    "06-openai-server/exercises/solutions-06b.md": {
+    "06-openai-server/exercises/solutions.md": {
         "adds about 2.4 ms, 1 %": "a rough cost: half the 32-row time",
     },
     "GLOSSARY.md": {
@@ -419,7 +419,7 @@ def _quotes(line: str, text_lines: list[str]) -> bool:
 
 def misquoted(path: Path, root: Path = ROOT) -> list[str]:
     """A code block right after a line that names a samples file
-    (bench/samples.py's) quotes that file: each of its lines must be part of
+    (bench/pages/samples.py's) quotes that file: each of its lines must be part of
     one of the file's lines (a slide may wrap a long line; "..." leaves a
     part out). Tables laid out anew are checked figure by figure instead."""
     page = str(path.relative_to(root))

@@ -1,7 +1,7 @@
 """Structured outputs, measured (ch06): compile times, and what a grammar costs a step.
 
-    python -m bench.structured_outputs                 # float32, 32 sequences
-    python -m bench.structured_outputs --dtype bfloat16 --seqs 64
+    python -m bench.experiments.structured_outputs                 # float32, 32 sequences
+    python -m bench.experiments.structured_outputs --dtype bfloat16 --seqs 64
 
 In process (no HTTP), on the embedded model:
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = {"date": str(datetime.date.today()), "machine": machine(), "dtype": args.dtype,
            "seqs": args.seqs, "xgrammar": importlib.metadata.version("xgrammar"), "compile": compile_times(loaded),
            "free": free, "constrained": constrained,
-           "command": "python -m bench.structured_outputs" + (f" {' '.join(argv)}" if argv else "")}
+           "command": "python -m bench.experiments.structured_outputs" + (f" {' '.join(argv)}" if argv else "")}
     write_results(args.out_dir, "structured-outputs", rec, markdown(rec))
     return 0
 

@@ -1,6 +1,6 @@
 """Check and time the Triton kernels against the PyTorch reference on a GPU (ch04).
 
-    python bench/gpu_kernels_check.py [--seqs 64] [--max-context 2048]
+    python bench/gpu/gpu_kernels_check.py [--seqs 64] [--max-context 2048]
 
 For two attention shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64; Llama-3-8B: 32/8, head_dim 128) in bfloat16 with block size 16,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Exercise 06c: the rejection sampler of speculative decoding.
+"""Exercise 07b: the rejection sampler of speculative decoding.
 
 A speculating sequence feeds its last token plus k draft tokens
 d_1..d_k (guessed by the n-gram proposer, common/engine/ngram_proposer.py)
@@ -26,13 +26,13 @@ builds `target_probs` (penalties, temperature, top-k/p and the grammar's
 mask already applied: the same p as the plain sampler would use) and
 calls `rejection_sample` for each sequence that is sampled, not greedy.
 
-Graded by `make exercise CH=06c` (the 3 tests marked `ex06c` in
+Graded by `make exercise CH=07b` (the 3 tests marked `ex07b` in
 tests/test_speculative.py, which call your function: over 20,000 trials
 the first token emitted follows p, and after an accepted draft the next
 one follows the next row; one-hot rows behave as greedy, with the bonus
 token, and a seeded generator replays). The reference is
 `rejection_sample` in common/layers/rejection_sampler.py: peek only when
-stuck. exercises/README-06c.md has the tasks and hints.
+stuck. exercises/README-07b.md has the tasks and hints.
 
 Left out, as in the reference: drafts with a distribution of their own
 (a draft model's q: accept with min(1, p / q), residual max(0, p - q)),
@@ -55,7 +55,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
     sampled at the first rejection, or the bonus token from the last row
     when all k are accepted. Between 1 and k + 1 ids, as Python ints.
     """
-    # Hints (README-06c.md has more):
+    # Hints (README-07b.md has more):
     # - draft j (0-based in the list) is checked against row j:
     #   target_probs[j][draft] is p_{j-1}(d_j) of the rule above.
     # - a uniform number: torch.rand((), generator=generator), one per

@@ -1,9 +1,9 @@
 """llama.cpp's `llama-server` beside the chapters (bench): build it, convert
 the embedded model for it, start it.
 
-    make llama-server                       # = python -m bench.llamacpp build (once)
-    python -m bench.llamacpp info           # what is built, where, from which commit
-    python -m bench.llamacpp serve --parallel 4 --port 8080   # by hand
+    make llama-server                       # = python -m bench.peers.llamacpp build (once)
+    python -m bench.peers.llamacpp info           # what is built, where, from which commit
+    python -m bench.peers.llamacpp serve --parallel 4 --port 8080   # by hand
 
 `build` downloads the source package of `llama-cpp-python` from PyPI (it
 vendors llama.cpp under `vendor/llama.cpp`), builds `llama-server` from it

@@ -2,14 +2,14 @@
 in one run (ch04-06, bench).
 
     bash bench/gpu_check.sh            # on the GPU machine: wheels, then this
-    python -m bench.gpu_check --out DIR [--budget-s 480]
+    python -m bench.gpu.gpu_check --out DIR [--budget-s 480]
 
 Four steps, in order; a failing step is recorded and the next one runs, so
 one run tells everything:
 
 1. `kernels`: the Triton kernels against the PyTorch reference on CUDA, in
    bfloat16 and float32, several context lengths and GQA ratios, timed
-   (bench/gpu_kernels_check.py).
+   (bench/gpu/gpu_kernels_check.py).
 2. `equivalence`: greedy float32 on CUDA, our engine's tokens equal HF
    `model.generate`'s for a tiny random Llama and a tiny random GPT-2
    (`--load-format dummy`), eager and with CUDA graphs.
@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -92,7 +92,7 @@ def run_command(step: Step, command: list[str], timeout: float) -> int:
 
 # ------------------------------------------------------------------ steps
 def step_kernels(step: Step, budget: float) -> None:
-    code = run_command(step, [sys.executable, "bench/gpu_kernels_check.py"], budget)
+    code = run_command(step, [sys.executable, "bench/gpu/gpu_kernels_check.py"], budget)
     step.status, step.detail = ("ok", "every comparison within tolerance") if code == 0 \
         else ("failed", f"gpu_kernels_check.py exited {code}")
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(["python -m bench.gpu_check", *(argv or sys.argv[1:])]),
+              "command": " ".join(["python -m bench.gpu.gpu_check", *(argv or sys.argv[1:])]),
               "machine": machine(),
               "steps": [asdict(s) for s in run_steps(args.out, args.budget_s)]}
     (args.out / "gpu-check.json").write_text(json.dumps(record, indent=2))

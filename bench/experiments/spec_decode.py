@@ -1,8 +1,8 @@
 """Speculative decoding, measured (ch06): chapter 06 with and without n-gram drafts.
 
-    python -m bench.spec_decode                  # float32, K=4, 1 and 32 clients
-    python -m bench.spec_decode --dtype bfloat16 --clients 1 8 32
-    python -m bench.spec_decode --schedule '[[1, 8, 4], [9, 1024, 0]]' --tag schedule
+    python -m bench.experiments.spec_decode                  # float32, K=4, 1 and 32 clients
+    python -m bench.experiments.spec_decode --dtype bfloat16 --clients 1 8 32
+    python -m bench.experiments.spec_decode --schedule '[[1, 8, 4], [9, 1024, 0]]' --tag schedule
 
 One run, one machine: chapter 06 is started twice, without and then with
 `--speculative-config` (method ngram, `--k` drafts, lookup 4..2, and
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(exist_ok=True)
     plain = measure(args, None, log_dir)
     with_spec = measure(args, spec, log_dir)
-    command = "python -m bench.spec_decode" + (f" {' '.join(argv)}" if argv else "")
+    command = "python -m bench.experiments.spec_decode" + (f" {' '.join(argv)}" if argv else "")
     rec = {"date": str(datetime.date.today()), "machine": machine(), "dtype": args.dtype,
            "spec": spec, "max_tokens": args.max_tokens, "command": command,
            "rows": pair(plain, with_spec)}

@@ -1,6 +1,6 @@
 """Chapter 06 against the real vLLM, request by request (bench; `make vllm-check`).
 
-    python -m bench.vllm_diff            # both servers, float32: a results file
+    python -m bench.peers.vllm_diff            # both servers, float32: a results file
     make vllm-check                      # the same comparisons as tests (tests/test_vllm.py)
 
 Two comparisons, both greedy in float32, on servers started one after the
@@ -388,7 +388,7 @@ def render_markdown(rec: dict) -> str:
 
 
 def main() -> int:
-    from bench import vllm_peer
+    from bench.peers import vllm_peer
     from bench.bench import machine
     from common.loader import load_model
     problem = vllm_peer.missing()
@@ -408,7 +408,7 @@ def main() -> int:
         metrics = {"ours": sorted(metric_names(ours.url)),
                    "vllm": sorted(metric_names(theirs.url))}
     rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": "python -m bench.vllm_diff", "machine": machine(with_vllm=True),
+           "command": "python -m bench.peers.vllm_diff", "machine": machine(with_vllm=True),
            "same_prompt_ids": same_prompts, "agreement": agreement,
            "divergences": found, "wire": wire, "metrics": metrics,
            "undocumented": undocumented(wire)}

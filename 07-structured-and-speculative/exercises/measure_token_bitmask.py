@@ -1,7 +1,7 @@
-"""Exercise 06b, predict then measure: what a grammar's mask costs, and
-how many tokens it leaves (solutions-06b.md has the answers).
+"""Exercise 07a, predict then measure: what a grammar's mask costs, and
+how many tokens it leaves (solutions.md has the answers).
 
-    python 06-openai-server/exercises/measure_token_bitmask.py
+    python 07-structured-and-speculative/exercises/measure_token_bitmask.py
 
 1. The cost of applying a mask to 32 rows of 49,152 float32 logits: the
    reference (common/layers/token_bitmask.py), xgrammar's own
@@ -49,7 +49,7 @@ def machine() -> str:
 def learners_function():
     """Yours, from token_bitmask.py beside this file, or None while it is a stub."""
     from tests.components import load_exercise
-    fn = load_exercise("06b").apply_token_bitmask
+    fn = load_exercise("07a").apply_token_bitmask
     try:
         fn(torch.zeros(1, 32), torch.full((1, 1), -1, dtype=torch.int32))
     except NotImplementedError:

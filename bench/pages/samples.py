@@ -1,7 +1,7 @@
 """The sample outputs the chapters quote, captured from real runs.
 
-    python -m bench.samples            # all of them (~5 min on 2 cores)
-    python -m bench.samples --only ch05-chat-and-stats ch05-traces
+    python -m bench.pages.samples            # all of them (~5 min on 2 cores)
+    python -m bench.pages.samples --only ch05-chat-and-stats ch05-traces
 
 Each sample is what a learner sees when running the command it names: a
 server's answers (`curl` of one chat request, then `/stats`), its log lines
@@ -204,7 +204,7 @@ def traces() -> dict:
     out["preemption, 3 requests of 64 tokens, 14 blocks"] = _traced(
         engine, {n: n for n in "XYZ"}, with_blocks=True)
     text = "\n\n".join(f"{title}:\n" + "\n".join(lines) for title, lines in out.items())
-    return {"command": "python -m bench.samples --only ch05-traces (the engine in-process, "
+    return {"command": "python -m bench.pages.samples --only ch05-traces (the engine in-process, "
                        "max_num_batched_tokens 64 for chunked prefill)", "text": text}
 
 
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         samples[name] = {**sample, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}"}
         print(samples[name]["text"][:600], flush=True)
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": "python -m bench.samples", "machine": machine(),
+           "command": "python -m bench.pages.samples", "machine": machine(),
            "samples": {name: samples[name] for name in SAMPLES if name in samples}}
     write_results(args.out_dir, "samples", rec, markdown(rec))
     if failed:

@@ -1,8 +1,8 @@
 """The levers of `vllm serve`, measured on one card (ch06): dtype,
 `--quantization`, `--tensor-parallel-size`.
 
-    python -m bench.levers          # float32, bfloat16, int8, int4 (+ reference), TP=3
-    python -m bench.levers --levers float32 int4 --clients 8
+    python -m bench.experiments.levers          # float32, bfloat16, int8, int4 (+ reference), TP=3
+    python -m bench.experiments.levers --levers float32 int4 --clients 8
 
 Each lever is one engine built in this process (chapter 06's engine, no
 HTTP) on the demo card (`--card`, 1.1 GiB), with the same load: the load
@@ -64,8 +64,8 @@ from common.sampling_params import SamplingParams
 # by default; the reference dequantizes and multiplies in float32 (slow, exact).
 QUANT_OPS = {"int4-reference": ReferenceQuantOps}
 RUNS = itertools.count()  # request ids stay unique across an engine's loads
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 LEVERS = {  # name -> engine flags on top of the defaults
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     add_comparisons(rows)
     when = datetime.datetime.now()
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": " ".join(["python -m bench.levers", *(argv if argv is not None
+           "command": " ".join(["python -m bench.experiments.levers", *(argv if argv is not None
                                                               else sys.argv[1:])]),
            "settings": vars(load), "machine": machine(), "rows": rows,
            "dtype_auto": str(pick_dtype("auto", torch.device("cpu"),

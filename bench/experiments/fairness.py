@@ -1,6 +1,6 @@
 """Can one client slow, block or starve the others? Before and after, in one run.
 
-    python -m bench.fairness --before 9a5445a      # ~6 min on 2 cores
+    python -m bench.experiments.fairness --before 9a5445a      # ~6 min on 2 cores
 
 Each scenario is one client doing what a careless or hostile one does, and
 a victim whose latency we measure, against the servers of the current tree
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"before": run_tree(before_tree, "before", logs),
                 "after": run_tree(ROOT, "after", logs)}
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": "python -m bench.fairness " + " ".join(argv or sys.argv[1:]),
+           "command": "python -m bench.experiments.fairness " + " ".join(argv or sys.argv[1:]),
            "before": args.before, "after": after, "duration_s": time.monotonic() - start,
            "machine": machine(), "runs": runs}
     stem = RESULTS / f"{when:%Y-%m-%d}-{rec['machine']['host']}-fairness"

@@ -1,4 +1,4 @@
-"""Exercise 06b: a grammar's token mask on the logits (structured outputs).
+"""Exercise 07a: a grammar's token mask on the logits (structured outputs).
 
 You write the one line of tensor work that makes `response_format`
 hold: before the sampler, every token the grammar does not allow at this
@@ -18,14 +18,14 @@ checked). The model runner calls `apply_token_bitmask(logits, bitmask)`
 on the rows of the step's constrained sequences (`apply_grammar_masks`
 in common/engine/model_runner.py), then samples as usual.
 
-Graded by `make exercise CH=06b` (the 7 tests marked `ex06b` in
+Graded by `make exercise CH=07a` (the 7 tests marked `ex07a` in
 tests/test_structured_outputs.py, which call your function: against
 xgrammar's own `apply_token_bitmask_inplace` on random masks, float32
 and bfloat16, vocabularies of 49,152, 100 and 33 tokens; then in a plain
 generation loop of the embedded model, where every sampled answer must
 validate against its JSON schema). The reference is
 common/layers/token_bitmask.py: peek only when stuck.
-exercises/README-06b.md has the tasks and hints.
+exercises/README.md has the tasks and hints.
 
 Given: `allocate_token_bitmask` (every bit set: every token allowed).
 Left out, as in the reference: a fused kernel (vLLM calls xgrammar's
@@ -55,7 +55,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
              The last word may cover tokens past `vocab` (when vocab is not
              a multiple of 32): ignore those bits.
     """
-    # Hints (README-06b.md has more):
+    # Hints (README.md has more):
     # - unpack every word into its 32 bits at once, with broadcasting:
     #   shift (num_rows, words, 1) by torch.arange(32) (shape (32,)), then & 1
     #   -> (num_rows, words, 32); bit j of word w is token w * 32 + j.

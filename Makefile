@@ -103,7 +103,7 @@ fairness: $(STAMP) ## BEFORE=<git rev>: can one client slow, block or starve the
 levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
 	$(PY) -m bench.experiments.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
 
-bench-spec: $(STAMP) ## speculative decoding: ch06 with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (1.4 min measured)
+bench-spec: $(STAMP) ## speculative decoding: ch07 with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (1.4 min measured)
 	$(PY) -m bench.experiments.spec_decode
 
 bench-structured: $(STAMP) ## structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)

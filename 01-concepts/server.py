@@ -19,7 +19,7 @@ from common.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 
 
 def main() -> int:
-    args = parse_server_args(server_parser("Chapter 01: the autoregressive loop by hand"),
+    args = parse_server_args(server_parser("Chapter 01: the autoregressive loop by hand", "01"),
                              "01")  # ch01: a later chapter's flag is an error, not ignored
     lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)
     eos = eos_token_ids(lm.model, lm.tokenizer)

@@ -20,10 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import anyio  # noqa: E402
 import torch  # noqa: E402
 from fastapi import Request  # noqa: E402
-from pydantic import ConfigDict, Field  # noqa: E402
+from pydantic import ConfigDict, Field, model_validator  # noqa: E402
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from common.autoregressive import eos_token_ids  # noqa: E402
+from common.entrypoints.chapters import refuse_later_fields  # noqa: E402
 from common.entrypoints.cli_args import parse_server_args, server_parser  # noqa: E402
 from common.entrypoints.launcher import log, serve  # noqa: E402
 from common.entrypoints.middleware import APIError, new_app  # noqa: E402
@@ -37,7 +38,7 @@ from common.memory import (Card, activation_bytes_estimate, format_bytes,  # noq
 from common.sampling_params import SAMPLING_EPS  # noqa: E402
 
 # ch02: the flags of later chapters (--quantization, ...) are refused, not ignored.
-args = parse_server_args(server_parser("Chapter 02: the naive model.generate server"), "02")
+args = parse_server_args(server_parser("Chapter 02: the naive model.generate server", "02"), "02")
 MODEL_NAME = args.served_model_name or args.model
 
 lm = load_model(args.model, args.dtype, args.device, args.load_format, args.seed)
@@ -70,6 +71,14 @@ class ChatCompletionRequest(StrictModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False  # vLLM's extra: the load test writes a fixed number of tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _later_chapters_fields(cls, body):
+        """`stream`, `stop`, ...: a 400 naming the chapter that adds them."""
+        if isinstance(body, dict):
+            refuse_later_fields({k: v for k, v in body.items() if k not in cls.model_fields}, "02")
+        return body
 
 
 class ClientGone(StoppingCriteria):

@@ -17,7 +17,7 @@ from common.engine.scheduler import StaticScheduler  # noqa: E402
 from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_chat_server("Chapter 03: our forward pass and a contiguous KV cache",
+    sys.exit(run_chat_server("03", "Chapter 03: our forward pass and a contiguous KV cache",
                              scheduler_cls=StaticScheduler,  # ch03: one batch at a time...
                              max_num_seqs=1,  # ch03: ...of one request
                              block_size=None))  # ch03: a block of max_model_len slots per request

@@ -17,5 +17,5 @@ from common.engine.scheduler import StaticScheduler  # noqa: E402
 from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_chat_server("Chapter 04: paged attention, static batching",
+    sys.exit(run_chat_server("04", "Chapter 04: paged attention, static batching",
                              scheduler_cls=StaticScheduler))  # ch04: small blocks (--block-size), whole batches

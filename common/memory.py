@@ -12,7 +12,7 @@ is the share of it the engine may fill (vLLM's meaning).
   `torch.OutOfMemoryError` with a message shaped like CUDA's that says the
   card is simulated.
 
-With tensor parallelism (ch06) every rank has a card of its own, the same
+With tensor parallelism (ch08) every rank has a card of its own, the same
 size: N cards, each holding 1/N of the weights and of every KV block.
 
 Left out: activations are estimated, not measured, on the CPU (PyTorch's CPU
@@ -64,7 +64,7 @@ def activation_bytes_estimate(config, num_tokens: int, dtype: torch.dtype,
 
     Per token: a few hidden-size vectors, the MLP's intermediate vectors and
     one row of logits; plus the attention scores of a square prefill.
-    ch06: on one of N ranks, the MLP, the logits and the heads are 1/N.
+    ch08: on one of N ranks, the MLP, the logits and the heads are 1/N.
     """
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     inter = getattr(config, "intermediate_size", None) or 4 * hidden
@@ -77,7 +77,7 @@ def activation_bytes_estimate(config, num_tokens: int, dtype: torch.dtype,
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers, each tensor once (a tied
-    LM head is the embedding; quantized weights are buffers, ch06)."""
+    LM head is the embedding; quantized weights are buffers, ch08)."""
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

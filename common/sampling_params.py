@@ -9,7 +9,7 @@ the sampler only read it.
 a delta per new token (the servers, which stream or collect the deltas).
 Either way no output copies the whole sequence at every token.
 
-`structured_outputs` (ch06) constrains the answer to a JSON schema, any
+`structured_outputs` (ch07) constrains the answer to a JSON schema, any
 JSON object, a regular expression, an EBNF grammar or one of a list of
 strings (vLLM's `StructuredOutputsParams`, the same field names): the
 engine compiles it with xgrammar (common/engine/structured_output.py).
@@ -85,7 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return (0: chosen only)
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
-    structured_outputs: StructuredOutputsParams | None = None  # ch06: what the answer must match
+    structured_outputs: StructuredOutputsParams | None = None  # ch07: what the answer must match
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -5,8 +5,9 @@ This is the one switch of the exercises: `pytest --exercise 04` (what
 `make exercise CH=04` runs) gives the tests chapter 04's exercise files in
 place of the reference modules of `common/`. The engine takes these
 components as arguments (`LLMEngine(block_manager_cls=..., scheduler_cls=...,
-attention_ops=...)`, `Metrics(collector_cls=..., latency_logger_cls=...)`),
-so nothing is patched: the tests build the engine with what they are given.
+attention_ops=..., quant_ops=...)`, `Metrics(collector_cls=...,
+latency_logger_cls=...)`), so nothing is patched: the tests build the engine
+with what they are given.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 from common import autoregressive, memory
 from common.engine import block_manager, scheduler
 from common.entrypoints import metrics
-from common.layers import attention, rejection_sampler, token_bitmask
+from common.layers import attention, quantization, rejection_sampler, token_bitmask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +80,31 @@ class Components:
     # ch06
     EngineCollector: type = metrics.EngineCollector
     LatencyStatLogger: type = metrics.LatencyStatLogger
-    # ch06: structured outputs and speculative decoding
+    # ch07: structured outputs and speculative decoding
     apply_token_bitmask: object = token_bitmask.apply_token_bitmask
     rejection_sample: object = rejection_sampler.rejection_sample
+    # ch08: int8 weight-only quantization; `quant_ops` is the engine's
+    # (`LLMEngine(quant_ops=...)`), built from the two functions
+    quantize_int8: object = quantization.quantize_int8
+    int8_linear: object = quantization.int8_linear
+    quant_ops: object = quantization.ReferenceQuantOps
     exercise: str | None = field(default=None)
+
+
+def int8_quant_ops(quantize_int8, int8_linear) -> SimpleNamespace:
+    """Exercise 08's two functions as the engine's `quant_ops` (the
+    interface of `ReferenceQuantOps`: `quantize` stores a weight, `linear`
+    multiplies by it), for `--quantization int8` only."""
+    def quantize(weight, scheme):
+        if scheme is not quantization.QuantScheme.INT8:
+            raise ValueError(f"exercise 08 quantizes to int8, not {scheme}")
+        qweight, scales = quantize_int8(weight)
+        return {"qweight": qweight, "scales": scales}
+
+    def linear(x, layer):
+        return int8_linear(x, layer.qweight, layer.scales, layer.bias)
+
+    return SimpleNamespace(name="exercise 08 (int8: yours)", quantize=quantize, linear=linear)
 
 
 def exercise_path(chapter: str) -> Path:
@@ -113,4 +135,7 @@ def components_for(chapter: str | None) -> Components:
     if chapter == "04":
         return replace(Components(), exercise=chapter, BlockManager=learner["BlockManager"],
                        block_manager_module=module)
+    if chapter == "08":
+        return replace(Components(), exercise=chapter, **learner,
+                       quant_ops=int8_quant_ops(**learner))
     return replace(Components(), exercise=chapter, **learner)

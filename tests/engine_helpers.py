@@ -8,16 +8,23 @@ from common.sampling_params import SamplingParams
 from tests.components import Components
 
 
-def make_engine(loaded, policy="continuous", num_blocks=None, impl=None, **config):
+def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
+                structured_outputs=False, **config):
     """policy: "static" (ch03-04) or "continuous" (ch05). `impl`: the
     components to build it with (tests/components.py; default: reference).
+    `structured_outputs`: chapter 07's grammar step (imports xgrammar).
     `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions)."""
     impl = impl or Components()
     config.setdefault("device_memory_gb", 2.0)
     scheduler_cls = StaticScheduler if policy == "static" else impl.ContinuousScheduler
+    structured_output_cls = None
+    if structured_outputs:
+        from common.engine.structured_output import StructuredOutputManager
+        structured_output_cls = StructuredOutputManager
     return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
                      num_blocks=num_blocks, block_manager_cls=impl.BlockManager,
-                     attention_ops=impl.attention_ops)
+                     attention_ops=impl.attention_ops,
+                     structured_output_cls=structured_output_cls)
 
 
 def run_all(engine, prompts: dict[str, list[int]] | None = None,
@@ -42,7 +49,7 @@ def greedy(max_tokens=32, **kw) -> SamplingParams:
 
 def fail_rows_seeded(engine, seed: int = 666) -> None:
     """Fault injection: sampling any row whose request has this seed raises."""
-    sampler = engine.worker.model_runner.sampler
+    sampler = engine.worker.model_runner.sampling.sampler
     original = sampler._sample_row
 
     def faulty(row, state):

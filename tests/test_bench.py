@@ -235,8 +235,8 @@ def test_levers_are_chapter_06_rows_with_their_flags():
     assert settings("--levers").levers == ["int8", "int4"]
     s = settings("--chapters", "05", "--levers", "int4", "tp3", "--card", "1.1")
     levers = [e for e in bench.plan(s) if e.server_flags]
-    assert [(e.name, e.chapter, e.card_gb) for e in levers] == [("06 int4", "06", 1.1),
-                                                                ("06 tp3", "06", 1.1)]
+    assert [(e.name, e.chapter, e.card_gb) for e in levers] == [("08 int4", "08", 1.1),
+                                                                ("08 tp3", "08", 1.1)]
     args = bench.server_args(s, 1.1) + levers[1].server_flags
     assert args[-2:] == ["--tensor-parallel-size", "3"]
 

@@ -12,7 +12,6 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from bench.loadtest import format_table, send_one, summarize
-from common.entrypoints.cli_args import refuse_later_flags, server_parser
 from common.memory import Card, MiB
 from tests.conftest import PROMPTS, ROOT, openai_client, wait_for
 from tests.test_ch01_foundation import assert_bad_input_rejected
@@ -73,34 +72,11 @@ def test_demo_card_holds_one_request_but_not_two(embedded, impl):
     assert card.free_bytes() < 2 * one_request
 
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
-
-
-@pytest.mark.parametrize("argv, flag, chapter", [
-    (["--block-size", "8"], "--block-size", "04"),
-    (["--enable-prefix-caching"], "--enable-prefix-caching", "04"),
-    (["--long-prefill-token-threshold", "64"], "--long-prefill-token-threshold", "05"),
-    (["--enforce-eager"], "--enforce-eager", "05"),
-    (["-q", "int8"], "--quantization", "06"),
-    (["-tp", "2"], "--tensor-parallel-size", "06"),
-    (["--speculative-config", SPEC], "--speculative-config", "06"),
-])
-def test_chapter_02_refuses_the_flags_of_later_chapters(argv, flag, chapter, capsys):
-    parser = server_parser("Chapter 02")
-    with pytest.raises(SystemExit) as info:
-        refuse_later_flags(parser, parser.parse_args(argv), "02")
-    assert info.value.code == 2  # argparse's usage error
-    assert (f"error: {flag} is not implemented in chapter 02: chapter {chapter} adds it"
-            in capsys.readouterr().err)
-
-
-def test_chapter_02_accepts_later_flags_left_at_their_defaults():
-    """They change nothing; `make bench` passes the scheduler's limits to
-    every chapter alike (chapter 02 has no scheduler: they do nothing)."""
-    parser = server_parser("Chapter 02")
-    args = parser.parse_args(["--tensor-parallel-size", "1", "--no-enable-prefix-caching",
-                              "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"])
-    refuse_later_flags(parser, args, "02")  # no SystemExit
+def test_chapter_02_refuses_the_flags_of_later_chapters():
+    """Every chapter's refusals, chapter 02's among them, are tested in
+    tests/test_chapters.py from the one table; here the server itself."""
+    from common.entrypoints.chapters import FLAG_CHAPTERS
+    assert FLAG_CHAPTERS["--quantization"] == "08"
 
 
 def test_the_server_refuses_quantization_before_loading_the_model():
@@ -111,7 +87,7 @@ def test_the_server_refuses_quantization_before_loading_the_model():
         [sys.executable, str(ROOT / "02-minimal-pytorch-inference" / "server.py"),
          "--quantization", "int8"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
-    assert ("error: --quantization is not implemented in chapter 02: chapter 06 adds it"
+    assert ("error: --quantization is not implemented in chapter 02: chapter 08 adds it"
             in result.stderr)
     assert "[ch02]" not in result.stdout
 
@@ -119,6 +95,19 @@ def test_the_server_refuses_quantization_before_loading_the_model():
 @pytest.fixture(scope="module")
 def ch02(start_server):
     return start_server("02", "--device-memory-gb", DEMO_CARD)
+
+
+def test_later_chapters_fields_are_refused_by_name(ch02):
+    """`stream` is chapter 06's, `stop` the engine's (chapter 03), a grammar
+    chapter 07's: each a 400 naming the chapter; `top_p` is chapter 02's own."""
+    for field, value, adds in (("stream", True, "06"), ("stop", ["."], "03"),
+                               ("response_format", {"type": "json_object"}, "07")):
+        answer = requests.post(ch02.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value},
+            timeout=120)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == field and f"chapter {adds} adds it" in error["message"], error
 
 
 def test_two_concurrent_clients_one_success_one_oom(ch02):

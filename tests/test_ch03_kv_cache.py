@@ -289,7 +289,7 @@ def test_the_engine_logs_its_line_when_it_goes_idle(embedded, caplog):
     a burst shorter than the interval still gets one (on any machine)."""
     engine = make_engine(embedded, policy="static", block_size=None, max_num_seqs=1,
                          max_model_len=512, num_blocks=1)
-    engine.log_interval_s = 1e9  # never on time: only the idle line
+    engine.stats_collector.log_interval_s = 1e9  # never on time: only the idle line
     with caplog.at_level("INFO", logger="llm-course"):
         run_all(engine, {"x": apply_chat_template(embedded.tokenizer, PROMPTS[0])}, greedy(4))
     lines = [r.getMessage() for r in caplog.records if "KV waste" in r.getMessage()]

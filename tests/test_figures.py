@@ -129,3 +129,79 @@ def test_a_generated_table_follows_its_results_file(tmp_path: Path) -> None:
     row["output_tokens_per_s"] *= 1.5
     source.write_text(json.dumps(record))
     assert figures.stale_tables(root / "README.md", root) != []
+
+
+# ------------------------------------------------------ Source: lines
+TAUGHT = figures.taught_pages()
+
+
+@pytest.mark.parametrize("page", TAUGHT, ids=[_name(p) for p in TAUGHT])
+def test_results_paths_and_dates_only_on_source_lines(page: Path) -> None:
+    """Teaching sentences carry no dates and no results paths: each section
+    that quotes a run names its files on one `Source:` line, its last."""
+    problems = figures.stray_sources(page)
+    assert not problems, f"{len(problems)} stray source(s):\n" + "\n".join(problems)
+
+
+def test_the_source_lint_catches_a_stray_path_or_date(tmp_path: Path) -> None:
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# A\n\n"
+        "Measured 2026-12-02 on a 2-core CPU: 11.8 tok/s.\n"
+        "<!-- table from bench/results/2026-12-02-vm.json: rows 02 -->\n"
+        "Source: [bench/results/2026-12-02-vm.md](bench/results/2026-12-02-vm.md)\n\n"
+        "# B\n\n"
+        "See bench/results/2026-12-01-vm.md for more.\n\n"
+        "```\nls results/measured-2026-12-02.json\n```\n\n"
+        "# C\n\n"
+        "Source: bench/results/2026-12-02-vm.md\n"
+        "Source: bench/results/2026-12-01-vm.md\n\n"
+        "# D\n\n"
+        "Source: bench/results/2026-12-02-vm.md\n"
+        "and a sentence after it.\n")
+    found = [p.split(": ", 1)[1] for p in figures.stray_sources(page, tmp_path)]
+    assert found == [
+        "date outside the Source: line: 2026-12-02",
+        "results path outside the Source: line: bench/results/2026-12-01-vm.md",
+        "date outside the Source: line: 2026-12-01",
+        "results path outside the Source: line: results/measured-2026-12-02.json",
+        "a second Source: line in one section",
+        "the Source: line is not the last line of its section",
+    ], found
+
+
+def test_a_section_takes_its_files_from_its_source_line(tmp_path: Path) -> None:
+    """A figure is checked against the files its section's `Source:` line
+    names, not against a file named elsewhere in the section; a number
+    changed in the named file fails the page."""
+    root = _copy(tmp_path)
+    source = root / "bench" / "results" / "2026-12-02-vm.md"
+    page = root / "chapter" / "README.md"
+    page.parent.mkdir()
+    page.write_text("# Measured\n\nChapter 05 made 273.6 tok/s (see the 2026-12-01 file: "
+                    "bench/results/2026-12-01-vm.md).\n\n"
+                    "Source: [bench/results/2026-12-02-vm.md](../bench/results/2026-12-02-vm.md)\n")
+    assert [f.sources for f in figures.figures(page, root)] == [(source,)]
+    assert figures.unsourced(page, root) == []
+    record = json.loads(source.with_suffix(".json").read_text())
+    assert _plant(record, "273.6", 1.5)
+    source.with_suffix(".json").write_text(json.dumps(record))
+    source.write_text(figures.renderer(record)(record))
+    assert figures.unsourced(page, root) == [
+        "chapter/README.md:3: '273.6 tok/s': 273.6 is not in bench/results/2026-12-02-vm.md"]
+
+
+def test_a_quoted_capture_is_checked_against_its_samples_file(tmp_path: Path) -> None:
+    """A code block after a line naming a capture of the samples file that
+    the section's `Source:` line names must be in that capture."""
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "2026-01-01-vm-samples.md").write_text(
+        "# Samples\n\n## ch03-log\n\n```\nRunning: 1 reqs, Waiting: 0 reqs\n```\n\n"
+        "## ch04-log\n\n```\nRunning: 15 reqs, Waiting: 16 reqs\n```\n")
+    page = tmp_path / "slides.md"
+    page.write_text("one\n\nThe log (\"ch03-log\"):\n\n```\nRunning: 1 reqs, ...\n"
+                    "Running: 15 reqs\n```\n\nSource: bench/results/2026-01-01-vm-samples.md\n")
+    assert figures.misquoted(page, tmp_path) == [
+        "slides.md:7: not in bench/results/2026-01-01-vm-samples.md (ch03-log): "
+        "'Running: 15 reqs'"]

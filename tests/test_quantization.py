@@ -1,4 +1,4 @@
-"""Chapter 06: weight-only quantization (`--quantization int8 | int4`).
+"""Chapter 08: weight-only quantization (`--quantization int8 | int4`).
 
 - the rounding and the packing, on the embedded model's own weights;
 - three implementations of one interface agree: the PyTorch reference
@@ -29,7 +29,7 @@ if not ON_CUDA:
     use_triton_interpreter()  # before common.layers.quant_kernels defines its kernels
 from common.layers import quant_kernels  # noqa: E402
 
-pytestmark = pytest.mark.ch06
+pytestmark = pytest.mark.ch08
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
 
@@ -204,8 +204,10 @@ def test_prefix_caching_defaults_per_chapter(chapter_default, argv, expected):
     assert args.enable_prefix_caching is expected
 
 
-def test_chapters_05_and_06_turn_prefix_caching_on():
-    from common.entrypoints.cli_args import api_server_parser
-    assert api_server_parser().parse_args([]).enable_prefix_caching is True
-    source = (ROOT / "05-continuous-batching" / "server.py").read_text()
-    assert "enable_prefix_caching=True" in source
+@pytest.mark.parametrize("chapter, expected", [("04", False), ("05", True), ("06", True),
+                                               ("07", True), ("08", True)])
+def test_chapters_05_on_turn_prefix_caching_on(chapter, expected):
+    from common.entrypoints.cli_args import api_server_parser, server_parser
+    assert server_parser("test", chapter).parse_args([]).enable_prefix_caching is expected
+    if chapter >= "06":
+        assert api_server_parser("test", chapter).parse_args([]).enable_prefix_caching

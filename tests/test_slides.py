@@ -235,3 +235,74 @@ def test_lint_requires_the_header(tmp_path: Path) -> None:
     assert any("%author:" in e for e in errors) and any("%date:" in e for e in errors)
     deck.write_text("body\n")
     assert "must start with" in lint(deck)[0]
+
+
+# -- one component per chapter: no slide twice, no chapter too long ----------
+MAX_SLIDES = 30
+MAX_ROOT_README_LINES = 200
+MAX_CHAPTER_README_LINES = 450
+
+
+def slide_text(slide: Slide) -> str:
+    """A slide as the duplicate check compares it: its text, whitespace removed."""
+    return "".join("".join(text for _, text in slide.content()).split())
+
+
+def repeated_slides(decks: list[Path]) -> list[str]:
+    """Slides that appear, whitespace aside, in two decks."""
+    seen: dict[str, tuple[Path, Slide]] = {}
+    found = []
+    for path in decks:
+        for slide in parse_deck(path).slides:
+            text = slide_text(slide)
+            if not text:
+                continue
+            if text in seen and seen[text][0] != path:
+                other, first = seen[text]
+                found.append(f"{_name(path)}: slide {slide.number} is slide "
+                             f"{first.number} of {_name(other)}")
+            seen.setdefault(text, (path, slide))
+    return found
+
+
+def too_long(root: Path = ROOT) -> list[str]:
+    """The root README over 200 lines, a chapter README over 450, a deck
+    over 30 slides."""
+    found = []
+    readmes = [(root / "README.md", MAX_ROOT_README_LINES)]
+    readmes += [(p, MAX_CHAPTER_README_LINES) for p in sorted(root.glob("0*/README.md"))]
+    for path, limit in readmes:
+        if path.exists() and (n := len(path.read_text().splitlines())) > limit:
+            found.append(f"{_name(path)}: {n} lines, at most {limit}")
+    for path in sorted(root.glob("0*/slides.md")):
+        if (n := len(parse_deck(path).slides)) > MAX_SLIDES:
+            found.append(f"{_name(path)}: {n} slides, at most {MAX_SLIDES}")
+    return found
+
+
+def test_no_slide_in_two_decks() -> None:
+    found = repeated_slides(DECKS)
+    assert not found, "\n".join(found)
+
+
+def test_readmes_and_decks_within_their_length() -> None:
+    found = too_long()
+    assert not found, "\n".join(found)
+
+
+def test_the_length_and_repeat_lints_catch(tmp_path: Path) -> None:
+    one, two = tmp_path / "01-a" / "slides.md", tmp_path / "02-b" / "slides.md"
+    one.parent.mkdir()
+    two.parent.mkdir()
+    one.write_text(GOOD_HEADER + "# Same\n\nbody\n\n---\n\nonly here\n")
+    two.write_text(GOOD_HEADER + "#  Same\nbody   \n\n---\n\n"
+                   + "\n\n---\n\n".join(f"s{i}" for i in range(30)) + "\n")
+    (tmp_path / "README.md").write_text("x\n" * 201)
+    (tmp_path / "01-a" / "README.md").write_text("x\n" * 450)
+    (tmp_path / "02-b" / "README.md").write_text("x\n" * 451)
+    assert [f.replace(f"{tmp_path}/", "") for f in repeated_slides([one, two])] == [
+        "02-b/slides.md: slide 1 is slide 1 of 01-a/slides.md"]
+    assert [f.replace(f"{tmp_path}/", "") for f in too_long(tmp_path)] == [
+        "README.md: 201 lines, at most 200",
+        "02-b/README.md: 451 lines, at most 450",
+        "02-b/slides.md: 31 slides, at most 30"]

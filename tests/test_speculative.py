@@ -1,4 +1,4 @@
-"""Speculative decoding (ch06): n-gram drafts, checked in one pass, lossless.
+"""Speculative decoding (ch07): n-gram drafts, checked in one pass, lossless.
 
 The grading tests of exercise 07b (`make exercise CH=07b`) are marked ex07b:
 the learner's `rejection_sample`, checked statistically (it must keep the
@@ -17,7 +17,7 @@ from common.loader import apply_chat_template
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine_helpers import greedy, make_engine, run_all
 
-pytestmark = pytest.mark.ch06
+pytestmark = pytest.mark.ch07
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}
@@ -169,7 +169,7 @@ def test_under_preemption_and_when_every_draft_is_wrong(embedded, prompt_set):
     assert engine.scheduler.num_preemptions > 0
     assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
     wrong = make_engine(embedded, speculative_config=SPEC, enable_prefix_caching=True)
-    wrong.proposer.propose = lambda token_ids, max_tokens, k: [0] * min(k, max_tokens)
+    wrong.scheduler.proposer.propose = lambda token_ids, max_tokens, k: [0] * min(k, max_tokens)
     spec = run(wrong, prompts, greedy(40), on_step=check_accounting)
     assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
     stats = wrong.snapshot()
@@ -219,8 +219,9 @@ def test_penalties_logprobs_grammar_and_seeds_with_speculation(embedded):
         "grammar": greedy(96, structured_outputs=StructuredOutputsParams(json=schema)),
         "min_tokens": greedy(24, min_tokens=20)}
     for name, params in cases.items():
-        want = run(make_engine(embedded), {name: ids}, params)[name]
-        got = run(make_engine(embedded, speculative_config=SPEC), {name: ids}, params)[name]
+        want = run(make_engine(embedded, structured_outputs=True), {name: ids}, params)[name]
+        got = run(make_engine(embedded, structured_outputs=True, speculative_config=SPEC),
+                  {name: ids}, params)[name]
         assert got.token_ids == want.token_ids, name
         if params.logprobs is not None:
             for a, b in zip(got.logprobs, want.logprobs):
@@ -255,13 +256,13 @@ def test_a_batch_size_schedule_sets_k(embedded, prompt_set):
     plain = run(make_engine(embedded), prompts, greedy(40))
     spec = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 64, 1]]}
     engine = make_engine(embedded, speculative_config=spec)
-    asked, propose = [], engine.proposer.propose
+    asked, propose = [], engine.scheduler.proposer.propose
 
     def recording(token_ids, max_tokens=None, k=None):
         asked.append((len(engine.scheduler.running), k))
         return propose(token_ids, max_tokens, k)
 
-    engine.proposer.propose = recording
+    engine.scheduler.proposer.propose = recording
     got = run(engine, prompts, greedy(40))
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
     assert {k for n, k in asked if n >= 4} == {1} and {k for n, k in asked if n <= 3} == {4}

@@ -1,4 +1,4 @@
-"""Structured outputs (ch06): xgrammar's token masks, in the engine and over HTTP.
+"""Structured outputs (ch07): xgrammar's token masks, in the engine and over HTTP.
 
 The grading tests of exercise 07a (`make exercise CH=07a`) are marked ex07a:
 the learner's `apply_token_bitmask` against xgrammar's own kernel, and in a
@@ -22,7 +22,7 @@ from common.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.conftest import PROMPTS, hf_greedy, openai_client
 from tests.engine_helpers import greedy, make_engine, run_all
 
-pytestmark = pytest.mark.ch06
+pytestmark = pytest.mark.ch07
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -60,7 +60,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(embedded):
-    return make_engine(embedded)
+    return make_engine(embedded, structured_outputs=True)
 
 
 # --------------------------------------------------- exercise 07a: the mask
@@ -166,7 +166,8 @@ def test_unconstrained_rows_in_a_mixed_batch_stay_hfs_greedy(engine, embedded):
 def test_preemption_chunked_prefill_prefix_caching_and_n(embedded):
     """A small cache (preemptions), 16-token steps (chunked prefill), prefix
     caching, several samples of one prompt: every answer still validates."""
-    engine = make_engine(embedded, num_blocks=24, max_num_batched_tokens=16,
+    engine = make_engine(embedded, structured_outputs=True, num_blocks=24,
+                         max_num_batched_tokens=16,
                          enable_prefix_caching=True)
     prompt = chat_ids(embedded.tokenizer, ASK)
     schema = SCHEMAS["nested"]
@@ -210,7 +211,7 @@ def test_a_bad_grammar_is_refused_before_it_runs(engine):
 @pytest.fixture(scope="module")
 def server(start_server):
     """Chapter 06 with both features on."""
-    return start_server("06", "--speculative-config",
+    return start_server("07", "--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
 

@@ -1,4 +1,4 @@
-"""Chapter 06: tensor parallelism (`--tensor-parallel-size N`) on the CPU, gloo.
+"""Chapter 08: tensor parallelism (`--tensor-parallel-size N`) on the CPU, gloo.
 
 Equivalence first: greedy float32 tokens at TP=2 (tiny dummy Llama, 4 heads,
 2 KV heads) and TP=3 (the embedded SmolLM2: 9 heads, 3 KV heads) are those
@@ -35,7 +35,7 @@ from common.sampling_params import RequestOutputKind
 from tests.conftest import PROMPTS, ROOT, hf_greedy
 from tests.engine_helpers import greedy, make_engine, run_all
 
-pytestmark = pytest.mark.ch06
+pytestmark = pytest.mark.ch08
 HANG_GUARD_S = 60.0  # bounds a failure only; no assertion on time
 
 
@@ -103,7 +103,7 @@ def test_gpt2_and_quantization_are_refused_with_tp(embedded):
 
 
 def test_a_server_given_a_bad_tp_exits_with_the_message():
-    server = ROOT / "06-openai-server" / "server.py"
+    server = ROOT / "08-levers-and-the-real-vllm" / "server.py"
     done = subprocess.run([sys.executable, str(server), "--tensor-parallel-size", "2",
                            "--dtype", "float32", "--device", "cpu"],
                           capture_output=True, text=True, timeout=HANG_GUARD_S * 3,

@@ -28,7 +28,7 @@ def vllm_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(start_server):
-    return start_server("06")  # float32 (conftest)
+    return start_server("08")  # the course's `vllm serve`, float32 (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_readme_lists_every_wire_difference():
     assert missing == []
 
 
-STRUCTURED = {  # ch06: the same constraint sent to both servers
+STRUCTURED = {  # ch07: the same constraint sent to both servers
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "answer", "schema": {"type": "object", "properties": {
             "city": {"type": "string", "maxLength": 30},

@@ -1,4 +1,4 @@
-"""Speculative decoding, measured (ch06): chapter 06 with and without n-gram drafts.
+"""Speculative decoding, measured (ch07): chapter 06 with and without n-gram drafts.
 
     python -m bench.experiments.spec_decode                  # float32, K=4, 1 and 32 clients
     python -m bench.experiments.spec_decode --dtype bfloat16 --clients 1 8 32
@@ -112,7 +112,7 @@ def measure(args, spec: dict | None, log_dir: Path) -> list[dict]:
         server_args += ["--speculative-config", json.dumps(spec)]
     name = "spec" if spec else "plain"
     rows = []
-    with ChapterServer("06", free_port(), server_args, log_dir / f"ch06-{name}.log") as server:
+    with ChapterServer("07", free_port(), server_args, log_dir / f"ch07-{name}.log") as server:
         for workload in WORKLOADS:
             send(server.url, WORKLOADS[workload](0), 8)  # warm up
             loads = [(1, args.sequential)] + [(c, 1) for c in args.clients]

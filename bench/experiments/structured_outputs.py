@@ -1,4 +1,4 @@
-"""Structured outputs, measured (ch06): compile times, and what a grammar costs a step.
+"""Structured outputs, measured (ch07): compile times, and what a grammar costs a step.
 
     python -m bench.experiments.structured_outputs                 # float32, 32 sequences
     python -m bench.experiments.structured_outputs --dtype bfloat16 --seqs 64
@@ -12,7 +12,7 @@ In process (no HTTP), on the embedded model:
    free (EOS ignored, `--max-tokens`), then each under a JSON schema. For
    every step where all of them run, it records the step's time and, by
    wrapping the engine's functions, the grammar's part of it: filling and
-   applying the bitmask (`ModelRunner.apply_grammar_masks`) and advancing
+   applying the bitmask (`StructuredOutputManager.apply`) and advancing
    each matcher (`StructuredOutputGrammar.accept_token`).
 
 Results: bench/results/DATE-HOST-structured-outputs.{json,md}: medians,
@@ -37,7 +37,7 @@ from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import PROMPTS, ROOT
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.structured_output import StructuredOutputGrammar
+from common.engine.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from common.loader import apply_chat_template, load_model
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -91,8 +91,8 @@ class GrammarClock:
 
     def __init__(self, engine: LLMEngine):
         self.seconds = 0.0
-        runner = engine.worker.model_runner
-        runner.apply_grammar_masks = self.timed(runner.apply_grammar_masks)
+        manager = engine.structured_output  # the model runner's grammar logits step
+        manager.apply = self.timed(manager.apply)
         self.accept = StructuredOutputGrammar.accept_token
         StructuredOutputGrammar.accept_token = self.timed(self.accept)
 
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loaded = load_model("smollm2", dtype=args.dtype, device="cpu")
     engine = LLMEngine(EngineConfig(dtype=args.dtype, device_memory_gb=2.0,
-                                    enable_prefix_caching=True), loaded=loaded)
+                                    enable_prefix_caching=True), loaded=loaded,
+                       structured_output_cls=StructuredOutputManager)
     prompts = [apply_chat_template(loaded.tokenizer, [{"role": "user", "content":
                f"{q} Answer with a JSON list of at least 40 words."}]) for q in PROMPTS]
     step_times(engine, prompts, SamplingParams(temperature=0, max_tokens=8), args.seqs)  # warm

@@ -1,4 +1,4 @@
-"""Tensor parallelism measured (ch06): `--tensor-parallel-size 1` vs 3.
+"""Tensor parallelism measured (ch08): `--tensor-parallel-size 1` vs 3.
 
     python -m bench.experiments.tensor_parallel                  # TP=1 and TP=3, 32 x 64 tokens
     python -m bench.experiments.tensor_parallel --tp 1 3 --clients 8 --max-tokens 32

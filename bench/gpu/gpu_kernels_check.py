@@ -177,7 +177,7 @@ QUANT_SHAPES = [(1, 2048, 8192), (64, 2048, 8192)]  # (rows of x, in, out): deco
 
 
 def check_quantized(scheme: str, shape: tuple[int, int, int], args, dtype, tol, timing) -> Row:
-    """ch06: the int8 / int4 Triton matmuls against the reference (dequantize
+    """ch08: the int8 / int4 Triton matmuls against the reference (dequantize
     + F.linear), errors relative to the largest output of a float32 run."""
     from common.layers import quant_kernels, quantization
     rows, in_features, out_features = shape

@@ -12,8 +12,10 @@ Three checks tie a measurement to the sentence that quotes it:
 2. **page**: a measured figure on a page (a README, a slide, an exercise) is
    a number with a unit that only a run produces: tok/s, req/s, a ratio
    (`1.57x`), ms, seconds and percentages with decimals (`7.3 s`, `10.2 %`).
-   Each must appear in a results file that the same section names (a
-   section runs from one heading to the next; on slides, one slide). Every
+   Each must appear in a results file that the same section names on its
+   `Source:` line (a section runs from one heading to the next; on
+   slides, one slide; a section without a `Source:` line, as on the
+   exercises' solutions, names its files anywhere in it). Every
    number of the results file counts, rounded to the figure's decimals
    (a page may say `245 tok/s` where the file says 245.3); a ratio or a
    percentage may be the quotient of two numbers that the same paragraph
@@ -26,9 +28,15 @@ Three checks tie a measurement to the sentence that quotes it:
    written by `make figures` from the JSON's rows (`with_tables`); a page
    whose table differs from what the file gives fails.
 
-A quoted sample output (a log, `/stats`, an answer) right after a line
-naming a `*-samples.md` file must be in that file line for line
+A quoted sample output (a log, `/stats`, an answer) right after a
+paragraph that names one of the captures (`"ch03-log-2x64"`, a `## `
+heading) of a `*-samples.md` file its section's `Source:` line names, or
+that names such a file, must be in that capture line for line
 (`misquoted`; bench/pages/samples.py captures them).
+
+Teaching sentences carry no dates and no results paths: on the READMEs
+and the slides, a results path or a date (2026-12-02) appears only on a
+section's one `Source:` line, its last (`stray_sources`).
 
 Left out: figures in other units (MiB, blocks) are arithmetic the course
 shows its working for, checked by the tests of common/memory.py; a figure
@@ -39,8 +47,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +132,10 @@ FIGURE = re.compile(
 RESULTS_FILE = re.compile(r"(?<![\w/-])((?:[\w.-]+/)*results/[\w.-]+\.(?:md|json|txt))\b")
 HEADING = re.compile(r"^#{1,6} ")
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+# The line that ends a section quoting measured figures: the results files they come from.
+SOURCE = re.compile(r"^\s*Source:\s")
+DATE = re.compile(r"(?<![\d-])20\d\d-[01]\d-[0-3]\d(?![\d])")
+COMMENT = re.compile(r"<!--.*?-->")  # a generated table's markers name their file
 
 # Figures with a unit of measure that no run produced, by page: a piece of
 # the figure's line (enough to be unique) -> why it needs no results file.
@@ -160,6 +173,9 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "06-openai-server/exercises/solutions.md": {
         "adds about 2.4 ms, 1 %": "a rough cost: half the 32-row time",
     },
+    "README.md": {
+        "It claims up to 24x the naive way's": "the source article's claim, quoted as such",
+    },
     "GLOSSARY.md": {
         "the cache is 3x smaller": "arithmetic: 9 query heads / 3 KV heads",
     },
@@ -173,12 +189,14 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     },
     "02-minimal-pytorch-inference/README.md": {
         "~2000 tok/s (Mistral 7B)": "the source article's estimate, quoted as such",
+        "~100 tok/s for GPT-2 against ~2000": "the source article's estimates, quoted as such",
         "74 of 8192 slots used: 99.1%": "arithmetic on the page: 1 - 74 / 8192",
         "99.1 % of the reserved slots never used": "arithmetic: 1 - 74 / 8192 (the log line)",
         "(at most every 0.25 s)": "a setting of ClientGone, not a measurement",
     },
     "02-minimal-pytorch-inference/slides.md": {
         "~100 vs ~2000 tok/s (the article)": "the source article's estimates, quoted as such",
+        "~100 tok/s (GPT-2, naive)": "the source article's estimates, quoted as such",
         "99.1% of 360 MiB wasted": "arithmetic on the slide: 1 - 74 / 8192",
         "KV waste     99.1% (74 of 8192)": "arithmetic: 1 - 74 / 8192 (the log line)",
         "72x its whole": "arithmetic on the slide: 73,983 / 1,024 tokens",
@@ -201,10 +219,6 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
         "count 5     sum": "the /metrics sums of a dated past run (2026-12-01)",
         "count 122   sum 14.76 s": "the /metrics sums of a dated past run (2026-12-01)",
     },
-    "bench/README.md": {
-        "GuideLLM 1.7 vs ours 4.7 tokens/s": "a dated past run (2026-12-01) on a busy machine, "
-                                             "said so on the page",
-    },
 }
 
 
@@ -221,9 +235,15 @@ class Figure:
 @dataclass
 class Section:
     lines: list[tuple[int, str]]  # (line number, text)
+    code: set[int] = field(default_factory=set)  # the line numbers inside code blocks
+
+    def source_lines(self) -> list[tuple[int, str]]:
+        """Its `Source:` lines (one, the last, on a page that follows the rules)."""
+        return [(n, line) for n, line in self.lines if n not in self.code and SOURCE.match(line)]
 
     def sources(self, page: Path, root: Path) -> tuple[Path, ...]:
-        text = "\n".join(line for _, line in self.lines)
+        """The results files its `Source:` line names; without one, those it names anywhere."""
+        text = "\n".join(line for _, line in (self.source_lines() or self.lines))
         return tuple(dict.fromkeys(resolve(name, page, root)
                                    for name in RESULTS_FILE.findall(text)))
 
@@ -248,7 +268,10 @@ def sections(path: Path) -> list[Section]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if FENCE.match(line):
             in_block = not in_block
-        elif not in_block and (HEADING.match(line) or (slides and line.strip() == "---")):
+            cut[-1].code.add(number)
+        elif in_block:
+            cut[-1].code.add(number)
+        elif HEADING.match(line) or (slides and line.strip() == "---"):
             cut.append(Section([]))
         cut[-1].lines.append((number, line))
     return cut
@@ -257,8 +280,10 @@ def sections(path: Path) -> list[Section]:
 def resolve(name: str, page: Path, root: Path = ROOT) -> Path:
     """A results file as a page names it: from the repository's root
     (`bench/results/...`, `05-.../exercises/results/...`), or from the page's
-    folder (an exercise page's `results/...`)."""
-    return page.parent / name if name.startswith("results/") else root / name
+    folder (an exercise page's `results/...`, a link's `../bench/results/...`)."""
+    if name.startswith(("results/", "./", "../")):
+        return Path(os.path.normpath(page.parent / name))
+    return root / name
 
 
 def _is_figure(match: re.Match, line: str) -> bool:
@@ -417,30 +442,102 @@ def _quotes(line: str, text_lines: list[str]) -> bool:
     return any(re.search(pattern, candidate) for candidate in text_lines)
 
 
+def captures(path: Path) -> dict[str, list[str]]:
+    """A samples file's captures: the name of each `## ` heading -> its lines."""
+    found: dict[str, list[str]] = {}
+    name = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            name = line[3:].strip()
+            found[name] = []
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def _quoted_capture(before: str, named: dict[str, tuple[Path, list[str]]], page: Path,
+                    root: Path) -> tuple[str, list[str]] | None:
+    """What a code block right after the paragraph `before` quotes, if
+    anything: (how to name it, its lines). A capture of the section's samples
+    files named there (the last one named), or a samples file named there."""
+    found = [(m.start(), name) for name in named
+             for m in re.finditer(rf"(?<![\w-]){re.escape(name)}(?![\w-])", before)]
+    if found:
+        name = max(found)[1]
+        file, lines = named[name]
+        return f"{file.relative_to(root)} ({name})", lines
+    files = [n for n in RESULTS_FILE.findall(before) if "-samples." in n]
+    if files:
+        source = resolve(files[-1], page, root)
+        lines = source.read_text().splitlines() if source.exists() else []
+        return str(source.relative_to(root)), lines
+    return None
+
+
 def misquoted(path: Path, root: Path = ROOT) -> list[str]:
-    """A code block right after a line that names a samples file
-    (bench/pages/samples.py's) quotes that file: each of its lines must be part of
-    one of the file's lines (a slide may wrap a long line; "..." leaves a
-    part out). Tables laid out anew are checked figure by figure instead."""
+    """A code block right after a paragraph that names a capture of a
+    samples file (bench/pages/samples.py's) that its section's `Source:` line
+    names, or that names a samples file itself, quotes it: each of its lines must be
+    part of one of the capture's lines (a slide may wrap a long line; "..."
+    leaves a part out). Tables laid out anew are checked figure by figure
+    instead."""
     page = str(path.relative_to(root))
-    problems, before, block, source = [], "", None, None
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if FENCE.match(line):
-            if block is None:
-                names = [n for n in RESULTS_FILE.findall(before) if "-samples." in n]
-                source = resolve(names[-1], path, root) if names else None
-                block = []
+    problems = []
+    for section in sections(path):
+        named = {name: (source, lines)
+                 for source in section.sources(path, root)
+                 if "-samples." in source.name and source.exists()
+                 for name, lines in captures(source).items()}
+        paragraph, gap, block, quoted = [], False, None, None  # the prose before a block
+        for number, line in section.lines:
+            if FENCE.match(line):
+                if block is None:
+                    before = "\n".join(paragraph)
+                    quoted, block = _quoted_capture(before, named, path, root), []
+                else:
+                    if quoted is not None:
+                        label, file_lines = quoted
+                        problems += [f"{page}:{n}: not in {label}: {text.strip()!r}"
+                                     for n, text in block
+                                     if text.strip() and not _quotes(text, file_lines)]
+                    block, paragraph, gap = None, [], False
+            elif block is not None:
+                block.append((number, line))
+            elif line.strip():
+                paragraph, gap = ([] if gap else paragraph) + [line], False
             else:
-                if source is not None:
-                    file_lines = source.read_text().splitlines() if source.exists() else []
-                    problems += [f"{page}:{n}: not in {source.relative_to(root)}: {text.strip()!r}"
-                                 for n, text in block
-                                 if text.strip() and not _quotes(text, file_lines)]
-                block, before = None, ""
-        elif block is not None:
-            block.append((number, line))
-        elif line.strip():
-            before = line
+                gap = True
+    return problems
+
+
+def taught_pages() -> list[Path]:
+    """The pages whose sentences teach: the READMEs and the slides (not the
+    exercises' solutions, which show a run's details, nor the glossary)."""
+    return [p for p in pages() if p.name == "slides.md" or p.name.startswith("README")]
+
+
+def stray_sources(path: Path, root: Path = ROOT) -> list[str]:
+    """A results path or a date outside a `Source:` line (a generated
+    table's `<!-- ... -->` markers aside); a section with two `Source:`
+    lines, or one that is not its last line."""
+    page = str(path.relative_to(root))
+    problems = []
+    for section in sections(path):
+        source_lines = section.source_lines()
+        for number, line in section.lines:
+            if (number, line) in source_lines:
+                continue
+            text = COMMENT.sub("", line)
+            problems += [f"{page}:{number}: results path outside the Source: line: {name}"
+                         for name in RESULTS_FILE.findall(text)]
+            problems += [f"{page}:{number}: date outside the Source: line: {m.group()}"
+                         for m in DATE.finditer(text)]
+        problems += [f"{page}:{number}: a second Source: line in one section"
+                     for number, _ in source_lines[1:]]
+        written = [number for number, line in section.lines if line.strip()]
+        if source_lines and source_lines[-1][0] != written[-1]:
+            problems.append(f"{page}:{source_lines[-1][0]}: the Source: line is not the "
+                            "last line of its section")
     return problems
 
 
@@ -502,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote the tables of {page.relative_to(ROOT)}")
     problems = stale_results() + [p for page in pages() for p in
                                   stale_tables(page) + unsourced(page) + misquoted(page)]
+    problems += [p for page in taught_pages() for p in stray_sources(page)]
     print("\n".join(problems) if problems else "every figure is in its results file")
     return 1 if problems else 0
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import requests
 
 from bench.bench import bf16_words, machine, write_results
-from bench.loadtest import ROOT, ChapterServer, free_port, prompt_messages, run_load
+from bench.loadtest import CHAPTERS, ROOT, ChapterServer, free_port, prompt_messages, run_load
 
 RESULTS_DIR = ROOT / "bench" / "results"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,7 +53,7 @@ def chat_and_stats(chapter: str) -> dict:
             "text": answer.text.strip() + "\n" + stats.text.strip()}
 
 
-# Chapter 06's README: the requests it shows with curl, as it writes them.
+# Chapters 06 and 07's READMEs: the requests they show with curl, as they write them.
 CITY_SCHEMA = {"type": "object",
                "properties": {"name": {"type": "string"}, "country": {"type": "string"},
                               "population": {"type": "integer", "minimum": 0,
@@ -65,6 +65,8 @@ CH06_REQUESTS = [
                               "stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"prompt": "The three primary colors are", "max_tokens": 16,
                          "temperature": 0}),
+]
+CH07_REQUESTS = [  # structured outputs: chapter 07's
     ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
         "max_tokens": 100, "temperature": 0,
@@ -73,14 +75,14 @@ CH06_REQUESTS = [
 ]
 
 
-def ch06_answers() -> dict:
-    """The answers of chapter 06's README, each request as it shows it."""
-    with _server("06") as server:
-        answers = [requests.post(server.url + path, json=body, timeout=300).text.strip()
-                   for path, body in CH06_REQUESTS]
-    return {"command": "python 06-openai-server/server.py --dtype float32; the README's curl "
-                       "requests (chat, streamed chat, completion, JSON schema)",
-            "text": "\n\n".join(answers)}
+def answers(chapter: str, chapter_requests: list[tuple[str, dict]], what: str) -> dict:
+    """The answers of a chapter's README, each request as it shows it."""
+    with _server(chapter) as server:
+        texts = [requests.post(server.url + path, json=body, timeout=300).text.strip()
+                 for path, body in chapter_requests]
+    return {"command": f"python {CHAPTERS[chapter]}/server.py --dtype float32; the README's "
+                       f"curl requests ({what})",
+            "text": "\n\n".join(texts)}
 
 
 def log_lines(chapter: str, clients: int, *server_args: str) -> dict:
@@ -221,7 +223,8 @@ SAMPLES = {
     "ch05-log-32x64": lambda: log_lines("05", 32),
     "ch05-offline": offline,
     "ch05-traces": traces,
-    "ch06-answers": ch06_answers,
+    "ch06-answers": lambda: answers("06", CH06_REQUESTS, "chat, streamed chat, completion"),
+    "ch07-json-schema": lambda: answers("07", CH07_REQUESTS, "JSON schema"),
 }
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from bench.bench import served_model
 from bench.loadtest import ROOT, ChapterServer, format_table, free_port, run_load
 
-STREAMING_CHAPTERS = {"06"}
+STREAMING_CHAPTERS = {"06", "07", "08"}
 GUIDELLM = ROOT / ".guidellm-venv" / "bin" / "guidellm"
 
 

@@ -397,7 +397,7 @@ def main() -> int:
         return 2
     logs = Path(tempfile.mkdtemp(prefix="vllm-diff-"))
     loaded = load_model("smollm2", dtype="float32", device="cpu")
-    with ChapterServer("06", free_port(), ["--dtype", "float32"], logs / "ch06.log") as ours, \
+    with ChapterServer("08", free_port(), ["--dtype", "float32"], logs / "ch08.log") as ours, \
             vllm_peer.VllmServer(free_port(), logs / "vllm.log", "float32") as theirs:
         urls = {"ch06": ours.url, "vllm": theirs.url}
         runs = token_runs(urls, loaded)

@@ -247,7 +247,7 @@ def step_client_course() -> dict:
     """The same client against chapter 06's server (float32), alone on the machine."""
     port = free_port()
     start = time.perf_counter()
-    with ChapterServer("06", port, ["--dtype", "float32"], LOG_DIR / "ch06.log") as server:
+    with ChapterServer("08", port, ["--dtype", "float32"], LOG_DIR / "ch08.log") as server:
         startup = time.perf_counter() - start
         client = run_client(server.url)
     return {**client, "server_command": f"python 06-openai-server/server.py --port {port} "

@@ -18,7 +18,7 @@ weights more than it computes. This measures, on this machine:
 
 Results: bench/results/DATE-HOST-gemm-bandwidth.{json,md}.
 
-Left out: float16, quantized weights (ch06's levers), more than one socket.
+Left out: float16, quantized weights (ch08's levers), more than one socket.
 """
 from __future__ import annotations
 

@@ -2,5 +2,5 @@
 sequence, block manager, scheduler, model runner, output processing, the
 stats it times (stats.py), LLMEngine and its async front (AsyncLLM), and a
 Worker per rank (worker.py: the device, the weights, the KV cache, the
-ModelRunner); ch06 adds the tensor-parallel processes (tp_workers.py) and
+ModelRunner); ch08 adds the tensor-parallel processes (tp_workers.py) and
 the quantized model (--quantization)."""

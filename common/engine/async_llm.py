@@ -12,7 +12,7 @@ class: they never touch the engine's scheduler or blocks.
   that step, and the loop keeps serving.
 - If the loop itself dies, every stream gets `EngineDeadError`, `alive`
   turns false and `died` is set, so a server can answer 503 and exit.
-  A tensor-parallel rank that dies (ch06: `RankDiedError`) kills the loop:
+  A tensor-parallel rank that dies (ch08: `RankDiedError`) kills the loop:
   the ranks are out of step for good.
 - `num_waiting()` counts the requests that would not run at the next step:
   what a server's backpressure (`--max-waiting`, ch06) needs.
@@ -115,7 +115,7 @@ class AsyncLLM:
         self.engine.check_request(num_prompt_tokens, params)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """ch06: compile a structured output's grammar. Servers call it in a
+        """ch07: compile a structured output's grammar. Servers call it in a
         worker thread, as vLLM calls one xgrammar compiler from a thread pool
         (xgrammar compiles in parallel and caches what it compiled)."""
         self.engine.compile_grammar(params)
@@ -133,7 +133,7 @@ class AsyncLLM:
         return self._left_waiting + max(0, arrivals - self._free_slots)
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel workers (ch06), between steps."""
+        """Stop the engine's tensor-parallel workers (ch08), between steps."""
         with self._lock:
             self.engine.close()
 
@@ -238,7 +238,7 @@ class AsyncLLM:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
-        except RankDiedError:  # ch06: no step can run any more: the loop dies
+        except RankDiedError:  # ch08: no step can run any more: the loop dies
             raise
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed; aborting the requests in flight")

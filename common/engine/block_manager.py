@@ -158,18 +158,18 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_lookahead_tokens: int = 0) -> bool:
         """Room for seq's newest token (a free block only if the last is
-        full), and ch06 for `num_lookahead_tokens` draft tokens after it."""
+        full), and ch07 for `num_lookahead_tokens` draft tokens after it."""
         missing = self.blocks_needed(seq.num_tokens + num_lookahead_tokens) - len(seq.block_table)
         return missing <= self.num_free_blocks
 
     def may_append(self, seq: Sequence, num_lookahead_tokens: int = 0) -> None:
         """Make room for seq's newest token (a new block when the last is
-        full), and ch06 for `num_lookahead_tokens` draft tokens after it."""
+        full), and ch07 for `num_lookahead_tokens` draft tokens after it."""
         while len(seq.block_table) < self.blocks_needed(seq.num_tokens + num_lookahead_tokens):
             seq.block_table.append(self._take_free_block().block_id)
 
     def free_blocks_past_end(self, seq: Sequence) -> None:
-        """ch06: give back the blocks that only rejected drafts used (past
+        """ch07: give back the blocks that only rejected drafts used (past
         the block of seq's last token). Never shared, never cached: a block
         is cached once full of computed tokens, and these hold none."""
         while len(seq.block_table) > self.blocks_needed(seq.num_tokens):

@@ -11,7 +11,7 @@ reserves one whole region when it starts (the classic pre-allocation), and
 requests that find no free region wait. Chapter 04 cuts the same memory into
 blocks of 16 slots handed out on demand (common/engine/block_manager.py).
 
-ch06, tensor parallelism: each rank holds its KV heads only
+ch08, tensor parallelism: each rank holds its KV heads only
 (num_kv_heads / N), so one block costs 1/N of the bytes on each of N cards;
 the ranks agree on one number of blocks (the smallest), since the
 scheduler hands out each block on all of them at once.
@@ -37,7 +37,7 @@ def measure_activation_bytes(hf_model, num_tokens: int, card: Card,
     """Peak memory of one forward pass over `num_tokens` tokens (the warm-up)."""
     dtype = next(hf_model.parameters()).dtype
     # The CPU allocator keeps no peak statistics; HF's forward cannot run a
-    # shard (ch06), so a rank's activations are estimated too.
+    # shard (ch08), so a rank's activations are estimated too.
     if card.simulated or tensor_parallel_size > 1:
         return activation_bytes_estimate(hf_model.config, num_tokens, dtype,
                                          tensor_parallel_size)
@@ -55,7 +55,7 @@ class KVCache:
     def __init__(self, card: Card, config, num_blocks: int, block_size: int,
                  dtype: torch.dtype, tensor_parallel_size: int = 1):
         self.num_layers, num_kv_heads, self.head_dim = kv_cache_shape(config)
-        self.num_kv_heads = num_kv_heads // tensor_parallel_size  # ch06: this rank's heads
+        self.num_kv_heads = num_kv_heads // tensor_parallel_size  # ch08: this rank's heads
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # kv_caches[layer] = (k_cache, v_cache), each (num_blocks, block_size, H_kv, D)
@@ -66,14 +66,14 @@ class KVCache:
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype,
                         tensor_parallel_size: int = 1) -> int:
-        """On one rank: 1/N of the whole block's bytes (ch06)."""
+        """On one rank: 1/N of the whole block's bytes (ch08)."""
         return kv_bytes_per_token(config, dtype) // tensor_parallel_size * block_size
 
 
 def num_blocks_for_card(card: Card, hf_model, block_size: int, max_num_batched_tokens: int,
                         tensor_parallel_size: int = 1) -> tuple[int, str]:
     """How many blocks fit: (budget - weights - activations) / block bytes.
-    Returns the number and a line that explains it. ch06: on one rank's card."""
+    Returns the number and a line that explains it. ch08: on one rank's card."""
     dtype = next(hf_model.parameters()).dtype
     activations = measure_activation_bytes(hf_model, max_num_batched_tokens, card,
                                            tensor_parallel_size)

@@ -1,4 +1,4 @@
-"""ModelRunner (ch03-06): scheduled sequences -> tensors -> model -> sampled tokens.
+"""ModelRunner (ch03-08): scheduled sequences -> tensors -> model -> sampled tokens.
 
 For each step it builds the flat batch: `input_ids` and `positions` of every
 new token, `slot_mapping` (where each token's K/V go), `block_tables` and
@@ -9,15 +9,15 @@ to sample goes through the LM head.
 
 CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 
-ch06, structured outputs: the rows of constrained sequences get their
-grammar's token mask (-inf for every disallowed token) before the sampler.
-ch06, speculative decoding: a sequence checking k drafts feeds them after
-its last token, like a short prefill chunk over its cached context, and
-all its k + 1 rows go through the LM head; the `RejectionSampler`
-(common/layers/rejection_sampler.py) then keeps the drafts the model
-agrees with, plus one token.
+Two components are swapped in at construction (chapter 07), never
+branched on here: the sampling step (`PlainSampling`, one token per
+sampling sequence; chapter 07's `SpeculativeSampling` checks drafts,
+common/engine/spec_decode.py) and the logits processors applied before
+it (chapter 07's grammar masks, common/engine/structured_output.py).
+Each `ScheduledSeq` says which tokens it feeds (`input_token_ids`) and
+how many of its rows go through the LM head (`num_logits_rows`).
 
-ch06, tensor parallelism: the step's inputs are first built as plain lists
+ch08, tensor parallelism: the step's inputs are first built as plain lists
 (`StepInputs`), which rank 0 sends to the other ranks
 (common/engine/tp_workers.py); every rank's `Worker` (worker.py) then runs
 `forward_logits` on them, and only rank 0 gets logits and samples.
@@ -31,19 +31,44 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Protocol
+
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.attention import AttentionMetadata
-from common.layers.rejection_sampler import RejectionSampler
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed
-from common.layers.token_bitmask import allocate_token_bitmask, apply_token_bitmask
+
+SampledTokens = dict[Sequence, list[SampledToken] | SamplingFailed]
+
+
+class LogitsProcessor(Protocol):
+    """Changes the logits of a step's sampling rows in place, before the
+    sampler (ch07: a grammar's mask)."""
+
+    def apply(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
+              rows: list[range]) -> None: ...
+
+
+class PlainSampling:
+    """The sampling step of chapters 03-06: one token per sampling
+    sequence, its one row through chapter 03's `Sampler`."""
+
+    def __init__(self):
+        self.sampler = Sampler()
+
+    def __call__(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
+                 rows: list[range] | None = None) -> SampledTokens:
+        """logits: (len(sampling), vocab), one row per sequence."""
+        tokens = self.sampler(logits, [item.seq.sampling for item in sampling])
+        return {item.seq: token if isinstance(token, SamplingFailed) else [token]
+                for item, token in zip(sampling, tokens)}
 
 
 @dataclass
 class StepInputs:
-    """One step's inputs, as plain lists (cheap to send to other ranks, ch06)."""
+    """One step's inputs, as plain lists (cheap to send to other ranks, ch08)."""
     input_ids: list[int]  # (num_tokens,)
     positions: list[int]  # (num_tokens,)
     slot_mapping: list[int]  # (num_tokens,)
@@ -70,7 +95,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, workers=None):
         """`model`: the forward pass (common.models.build_forward), on this
-        rank's share of the weights. `workers` (ch06): on rank 0 the other
+        rank's share of the weights. `workers` (ch08): on rank 0 the other
         ranks (tp_workers.TPWorkers), which run every step too."""
         self.model = model
         self.workers = workers
@@ -78,8 +103,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.hf.parameters()).device
-        self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler()  # ch06: speculative decoding
+        self.sampling = PlainSampling()  # ch07: SpeculativeSampling with --speculative-config
+        self.logits_processors: list[LogitsProcessor] = []  # ch07: the grammar's masks
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
@@ -88,16 +113,14 @@ class ModelRunner:
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end] + item.draft_token_ids  # ch06: drafts last
+            input_ids += item.input_token_ids()
             for pos in range(start, end):
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size
                              + pos % self.block_size)
             positions += range(start, end)
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
-            if item.samples:  # the last token's row, and ch06 one row per draft
-                sample_rows += range(query_start[-1] - 1 - len(item.draft_token_ids),
-                                     query_start[-1])
+            sample_rows += range(query_start[-1] - item.num_logits_rows, query_start[-1])
         max_blocks = max(len(item.seq.block_table) for item in batch)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
@@ -108,7 +131,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass and the LM head; every rank runs it (ch06).
+        """The forward pass and the LM head; every rank runs it (ch08).
         Returns the logits (num_sampling, vocab), or None where this step
         samples nothing, and on ranks other than 0."""
         input_ids, positions, meta = step.to_tensors(self.device)
@@ -123,15 +146,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
-    def execute_model(self, batch: list[ScheduledSeq]
-                      ) -> dict[Sequence, list[SampledToken] | SamplingFailed]:
+    def execute_model(self, batch: list[ScheduledSeq]) -> SampledTokens:
         """One forward pass. Returns the new tokens of each sequence that
-        samples this step (one; ch06, with drafts, the accepted ones and one
-        more); a prefill chunk that is not the last has none."""
+        samples this step (one; chapter 07, with drafts, the accepted ones
+        and one more); a prefill chunk that is not the last has none."""
         # ch05: prefill chunks and decodes share the batch; decodes go first
         batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
         step = self.prepare_inputs(batch)
-        if self.workers is not None:  # ch06: the other ranks run the same step
+        if self.workers is not None:  # ch08: the other ranks run the same step
             logits = self.workers.execute(step, self.forward_logits)
         else:
             logits = self.forward_logits(step)
@@ -139,50 +161,18 @@ class ModelRunner:
             return {}
         sampling = [item for item in batch if item.samples]
         rows = self.item_rows(sampling)
-        self.apply_grammar_masks(logits, sampling, rows)  # ch06: structured outputs
-        plain = [(item, r) for item, r in zip(sampling, rows) if not item.draft_token_ids]
-        speculating = [(item, r) for item, r in zip(sampling, rows) if item.draft_token_ids]
-        results: dict[Sequence, list[SampledToken] | SamplingFailed] = {}
-        if plain:
-            plain_logits = logits if not speculating else logits[[r[0] for _, r in plain]]
-            tokens = self.sampler(plain_logits, [item.seq.sampling for item, _ in plain])
-            for (item, _), token in zip(plain, tokens):
-                results[item.seq] = token if isinstance(token, SamplingFailed) else [token]
-        if speculating:  # ch06: every draft row, in one call
-            verified = self.rejection_sampler(
-                logits[[row for _, r in speculating for row in r]],
-                [item.seq.sampling for item, _ in speculating],
-                [item.draft_token_ids for item, _ in speculating])
-            results.update(zip((item.seq for item, _ in speculating), verified))
-        return results
+        for processor in self.logits_processors:  # ch07: structured outputs
+            processor.apply(logits, sampling, rows)
+        return self.sampling(logits, sampling, rows)
 
     @staticmethod
     def item_rows(sampling: list[ScheduledSeq]) -> list[range]:
-        """Each sampling sequence's rows of the logits: one, or ch06 k + 1."""
+        """Each sampling sequence's rows of the logits: one, or ch07 k + 1."""
         rows, start = [], 0
         for item in sampling:
-            rows.append(range(start, start + 1 + len(item.draft_token_ids)))
-            start += 1 + len(item.draft_token_ids)
+            rows.append(range(start, start + item.num_logits_rows))
+            start += item.num_logits_rows
         return rows
-
-    @staticmethod
-    def apply_grammar_masks(logits: torch.Tensor, sampling: list[ScheduledSeq],
-                            rows: list[range]) -> None:
-        """ch06: each constrained sequence's rows get its grammar's mask
-        (-inf for the tokens it does not allow); the other rows are untouched."""
-        constrained = [(item, r) for item, r in zip(sampling, rows)
-                       if item.seq.structured_output is not None]
-        if not constrained:
-            return
-        row_ids = [row for _, r in constrained for row in r]
-        bitmask = allocate_token_bitmask(len(row_ids), logits.shape[-1])  # (rows, words)
-        first = 0
-        for item, r in constrained:
-            item.seq.structured_output.fill_bitmask_rows(bitmask, first, item.draft_token_ids)
-            first += len(r)
-        masked = logits[row_ids]  # (rows, vocab), a copy
-        apply_token_bitmask(masked, bitmask.to(logits.device))
-        logits[row_ids] = masked
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """ch05 on CUDA: record decode steps as CUDA graphs (cuda_graphs.py)."""

@@ -1,4 +1,4 @@
-"""The n-gram proposer (ch06, `--speculative-config '{"method": "ngram", ...}'`).
+"""The n-gram proposer (ch07, `--speculative-config '{"method": "ngram", ...}'`).
 
 Prompt lookup: text that repeats its context (an answer quoting its
 prompt, code edited in place, a list that follows a pattern) can be

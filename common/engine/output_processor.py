@@ -2,7 +2,7 @@
 
 After each step the engine hands the sequences that got a token to
 `OutputProcessor.process`, which for each of them (and for each of its
-new tokens: one, or with speculative decoding, ch06, up to k + 1)
+new tokens: one, or with speculative decoding, ch07, up to k + 1)
 
 1. detokenizes the new token incrementally (common/engine/detokenizer.py,
    ch05: a token may hold half a UTF-8 character);

@@ -32,16 +32,11 @@ that hit EOS, a stop token id or their length, and frees their blocks.
 (Stop *strings* need the text: the output processor finds them, and the
 engine then calls `finish`.)
 
-ch06, speculative decoding: a decoding sequence with draft tokens
-(`seq.spec_token_ids`, from common/engine/ngram_proposer.py) feeds its
-last token and the drafts as one chunk: the step books 1 + k tokens of
-budget and slots for them (`ScheduledSeq.draft_token_ids`). Drafts get
-only what is left: they are cut to the budget, and dropped when their
-slots would need a preemption. After the step, the rejected drafts are
-rolled back: `num_computed_tokens` counts only the accepted ones, the
-blocks past the sequence's new end go back to the free list, and only
-blocks of accepted tokens are ever hashed for the prefix cache. The
-accepted tokens are appended one by one, each checked for a stop.
+Chapter 07 swaps in `SpeculativeScheduler` (common/engine/spec_decode.py),
+a subclass that books draft tokens into the step and rolls back the rejected
+ones: nothing here knows about drafts. The hooks it overrides are
+`schedule_running` (what a running sequence feeds this step) and
+`append_sampled` (what its new tokens do to it).
 
 Left out: priorities, swapping preempted blocks to CPU memory, a
 watermark of spare blocks, fairness between clients beyond the prefill cap
@@ -50,7 +45,7 @@ watermark of spare blocks, fairness between clients beyond the prefill cap
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.engine.block_manager import BlockManager
 from common.engine.sequence import Sequence, SequenceStatus
@@ -62,14 +57,22 @@ from common.outputs import FinishReason
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step: 1 for decode, more for prefill
-    # ch06: drafts checked this step (fed after the last token, counted in num_new_tokens)
-    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Does this step reach the end of the sequence (so we sample)?"""
-        return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
-                == self.seq.num_tokens)
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of this sequence that go through the LM head: its last
+        token's if it samples, else none."""
+        return 1 if self.samples else 0
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens fed this step: from `num_computed_tokens` on."""
+        start = self.seq.num_computed_tokens
+        return self.seq.token_ids[start:start + self.num_new_tokens]
 
 
 class Scheduler:
@@ -104,17 +107,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older one
-            drafts = self.schedulable_drafts(seq, budget)  # ch06: [] without speculation
-            if drafts:
-                self.bm.may_append(seq, len(drafts))  # slots for the last token + the drafts
-                scheduled.append(ScheduledSeq(seq, 1 + len(drafts), drafts))
-                budget -= 1 + len(drafts)
-                continue
-            if not self.make_room(seq):
+            item = self.schedule_running(seq, budget)
+            if item is None:
                 continue  # seq itself was the newest: preempted
-            num_new = self.num_new_tokens(seq, budget)
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            scheduled.append(item)
+            budget -= item.num_new_tokens
         if self.num_preemptions == preemptions_before:  # ch05: no admission under pressure
             scheduled += self._admit(budget)
         return scheduled
@@ -127,14 +124,12 @@ class Scheduler:
             num_new = self.long_prefill_token_threshold
         return num_new
 
-    def schedulable_drafts(self, seq: Sequence, budget: int) -> list[int]:  # ch06
-        """The drafts `seq` checks this step: only when it decodes (its one
-        uncomputed token is the last one), within the budget, and only if
-        their slots are free without preempting anyone."""
-        if not seq.spec_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
-            return []
-        drafts = seq.spec_token_ids[:budget - 1]
-        return drafts if drafts and self.bm.can_append(seq, len(drafts)) else []
+    def schedule_running(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """A running sequence's part of the step: room for its next token,
+        then its tokens. None if it was preempted to make that room."""
+        if not self.make_room(seq):
+            return None
+        return ScheduledSeq(seq, self.num_new_tokens(seq, budget))
 
     def make_room(self, seq: Sequence) -> bool:
         """A slot for seq's next token. False if seq could not get one."""
@@ -170,7 +165,6 @@ class Scheduler:
         """Recompute-style preemption: drop its KV, requeue it at the front."""
         self.running.remove(seq)
         self.bm.deallocate(seq)
-        seq.spec_token_ids = []  # ch06: proposed again once it decodes
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,9 +175,9 @@ class Scheduler:
                            sampled: dict[Sequence, list[SampledToken] | SamplingFailed]
                            ) -> list[Sequence]:
         """Take in what the model computed and sampled: for each sequence
-        that sampled, its new tokens (one; with speculation, ch06, the
-        accepted drafts and one more) or `SamplingFailed`. Returns the
-        sequences that got new tokens (or failed), finished ones included."""
+        that sampled, its new tokens (a list of one token; chapter 07's
+        speculation gives more) or `SamplingFailed`. Returns the sequences
+        that got new tokens (or failed), finished ones included."""
         updated = []
         for item in batch:
             seq, tokens = item.seq, sampled.get(item.seq)
@@ -193,26 +187,30 @@ class Scheduler:
                 continue
             if isinstance(tokens, SamplingFailed):
                 self.finish(seq, FinishReason.ERROR, f"sampling failed: {tokens.error!r}")
-                updated.append(seq)
-                continue
-            # ch06: of the drafts, only the accepted ones (all tokens but the last) count
-            num_rejected = len(item.draft_token_ids) - (len(tokens) - 1)
-            seq.num_computed_tokens += item.num_new_tokens - num_rejected  # writer: after a step
-            reason = None
-            for token in tokens:  # one by one: a stop inside an accepted run ends it there
-                seq.append(token)
-                reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
-                if reason is not None:
-                    break
-            # drafts accepted past a stop were computed, but are not the sequence's
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-            self.bm.cache_full_blocks(seq)  # ch04: blocks that just filled
-            if reason is not None:
-                self.finish(seq, reason)
-            elif item.draft_token_ids:
-                self.bm.free_blocks_past_end(seq)  # ch06: the rejected drafts' blocks
+            else:
+                self.append_sampled(item, tokens)
             updated.append(seq)
         return updated
+
+    def append_sampled(self, item: ScheduledSeq, tokens: list[SampledToken]) -> None:
+        """The step computed `item`'s tokens and sampled `tokens`: append
+        them, then finish the sequence or let it go on."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens  # writer: after a step
+        reason = self.append_tokens(seq, tokens)
+        self.bm.cache_full_blocks(seq)  # ch04: blocks that just filled
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> FinishReason | None:
+        """Append one by one, each checked for a stop (EOS, a stop token id,
+        the length): a stop ends the run there. Returns its reason, or None."""
+        for token in tokens:
+            seq.append(token)
+            reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                return reason
+        return None
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Free a finished, failed or aborted sequence's blocks at once."""
@@ -243,9 +241,6 @@ class StaticScheduler(Scheduler):  # ch03-04: static batching
             return False
         self._reserved += worst_case
         return True
-
-    def schedulable_drafts(self, seq: Sequence, budget: int) -> list[int]:
-        return []  # the worst case reserved at admission has no room for drafts
 
     def make_room(self, seq: Sequence) -> bool:
         if not self.bm.can_append(seq):  # the worst case was reserved at admission

@@ -13,10 +13,8 @@ Who writes `num_computed_tokens`, one writer per event:
 - preemption or finish: `BlockManager.deallocate` sets it back to 0 (the
   K/V are gone; a preempted sequence recomputes them, ch05).
 
-ch06: a constrained request's grammar (`structured_output`) moves with
-every token appended; a speculating sequence carries the draft tokens
-of its next step (`spec_token_ids`), which are not its tokens until the
-rejection sampler accepts them.
+ch07: a constrained request's grammar (`structured_output`, attached by
+the engine's StructuredOutputManager) moves with every token appended.
 
 Left out: beam groups (one sequence per request; `n > 1` sends n requests).
 """
@@ -25,11 +23,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from common.engine.structured_output import StructuredOutputGrammar
 from common.layers.sampler import RequestSamplingState, SampledToken
 from common.outputs import FinishReason
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # ch07's module imports xgrammar: never at run time from here
+    from common.engine.structured_output import StructuredOutputGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -55,8 +56,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None  # what went wrong, when finish_reason is ERROR
     sampling: RequestSamplingState | None = None  # built by the engine (None: scheduler tests)
-    structured_output: StructuredOutputGrammar | None = None  # ch06: its grammar, if any
-    spec_token_ids: list[int] = field(default_factory=list)  # ch06: drafts for the next step
+    structured_output: StructuredOutputGrammar | None = None  # ch07: its grammar, if any
     arrival_time: float = field(default_factory=time.monotonic)  # or the async front's
     first_scheduled_time: float | None = None  # set by the engine at its first step
 
@@ -84,13 +84,14 @@ class Sequence:
         self.output_logprobs.append(sampled)
         if self.sampling is not None:
             self.sampling.append(sampled.token_id)
-        if self.structured_output is not None:  # ch06: the grammar moves on
+        if self.structured_output is not None:  # ch07: the grammar moves on
             self.structured_output.accept_token(sampled.token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
-        """ch06: keep only the first `num_output_tokens` output tokens (a stop
-        string matched inside a run of accepted drafts; the sequence is
-        finishing, so its sampling state and grammar are not rolled back)."""
+        """Keep only the first `num_output_tokens` output tokens: a stop
+        string matched inside a step's run of tokens (ch07's accepted
+        drafts). The sequence is finishing, so its sampling state and
+        grammar are not rolled back."""
         del self.output_token_ids[num_output_tokens:]
         del self.output_logprobs[num_output_tokens:]
         del self.token_ids[self.num_prompt_tokens + num_output_tokens:]

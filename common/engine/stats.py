@@ -1,4 +1,5 @@
-"""The engine's figures (ch05-06): running totals, and what each step did.
+"""The engine's figures (ch05-07): running totals, what each step did, and
+the collector that keeps them (`StatsCollector`).
 
 Two kinds, as in vLLM v1 (vllm/v1/metrics/stats.py, whose names these are):
 
@@ -27,7 +28,7 @@ times (one clock here; the queue time runs from arrival, not from a
 separate QUEUED event), per-request preemption counts, per-step
 prefix-cache stats (counted in `EngineStats`), the split of prompt tokens
 by source, LoRA, NaN-corruption and KV-eviction figures; the
-speculative-decoding counts (ch06) are running totals in `EngineStats`,
+speculative-decoding counts (ch07) are running totals in `EngineStats`,
 not per step. A request aborted (client gone) or failed before its first token
 gives no `FinishedRequestStats`: it has no latencies to observe (its
 finish is still counted in `EngineStats.finished`).
@@ -35,9 +36,13 @@ finish is still counted in `EngineStats.finished`).
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from dataclasses import dataclass, field
 
 from common.outputs import FinishReason
+
+log = logging.getLogger("llm-course")
 
 # vLLM's buckets for the tokens of one engine step (vllm:iteration_tokens_total).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -80,7 +85,7 @@ class EngineStats:
     sum_reserved_slots: int = 0  # over steps, for the time-averaged waste
     sum_used_slots: int = 0
     finished: dict = field(default_factory=dict)  # finish reason -> count
-    # ch06, speculative decoding (vLLM's SpecDecodingStats): sequences that
+    # ch07, speculative decoding (vLLM's SpecDecodingStats): sequences that
     # checked drafts, drafts checked, drafts accepted, and accepted per position
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
@@ -88,7 +93,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """ch06: one sequence checked `num_draft_tokens` drafts this step and
+        """ch07: one sequence checked `num_draft_tokens` drafts this step and
         kept the first `num_accepted_tokens` of them."""
         self.spec_decode_num_drafts += 1
         self.spec_decode_num_draft_tokens += num_draft_tokens
@@ -104,6 +109,15 @@ class EngineStats:
         if not self.spec_decode_num_draft_tokens:
             return 0.0
         return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+
+    def spec_decode_snapshot(self) -> dict:
+        """ch07: speculative decoding's counts (only with --speculative-config)."""
+        return {"spec_decode_num_drafts": self.spec_decode_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(
+                    self.spec_decode_num_accepted_tokens_per_pos),
+                "spec_decode_acceptance_rate": self.spec_decode_acceptance_rate}
 
 
 @dataclass
@@ -152,7 +166,7 @@ class IterationStats:
     def update_from_output(self, req_stats: RequestStateStats,
                            first_scheduled_time: float, num_new_tokens: int = 1) -> None:
         """One request got new tokens this step: one, or with speculative
-        decoding (ch06) up to k + 1, which arrive together (one latency,
+        decoding (ch07) up to k + 1, which arrive together (one latency,
         as vLLM counts them). `first_scheduled_time`: the engine's stamp of
         its first step (`Sequence.first_scheduled_time`), kept at its
         first token."""
@@ -187,3 +201,143 @@ class IterationStats:
             prefill_time=first - scheduled, inference_time=last - scheduled,
             decode_time=decode_time,
             mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0))
+
+
+class StatsCollector:
+    """The engine's figures, kept apart from its step (ch05-07): fed each
+    step's batch and sampled tokens, it keeps the running totals
+    (`EngineStats`), hands each step's `IterationStats` to the stat loggers
+    (chapter 06's Prometheus `Metrics`), and writes vLLM's periodic log line.
+
+    It reads the scheduler's queues and the block manager's usage; it never
+    changes them. Speculation's counts (ch07) come from the batch alone: a
+    sequence with k + 1 logits rows checked k drafts, and of the tokens it
+    got, all but the last were drafts accepted."""
+
+    def __init__(self, scheduler, block_manager, enable_prefix_caching: bool,
+                 log_interval_s: float):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.enable_prefix_caching = enable_prefix_caching
+        self.totals = EngineStats()
+        self.stat_loggers: list = []  # ch06: add_stat_logger; each records every step
+        self.log_interval_s = log_interval_s
+        self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
+
+    # ------------------------------------------------------ fed by step()
+    def observe_scheduled(self, batch) -> None:
+        """Before the step runs: first admissions (prefix-cache lookups)
+        and the prompt tokens computed now (a recompute counts again)."""
+        now, prompt_tokens = time.monotonic(), 0
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if seq.first_scheduled_time is None:  # admitted for the first time
+                seq.first_scheduled_time = now
+                if self.enable_prefix_caching:  # vLLM: new requests, in tokens
+                    self.totals.prefix_cache_queries += seq.num_tokens
+                    self.totals.prefix_cache_hits += seq.num_cached_tokens
+            prompt_tokens += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens)
+                                 - start)
+        self.totals.prompt_tokens += prompt_tokens
+        self._step_prompt_tokens = prompt_tokens
+
+    def observe_sampled(self, batch, sampled: dict) -> None:
+        """After the forward pass, before the scheduler takes the tokens in:
+        ch07, each sequence that checked drafts (more than one logits row)."""
+        for item in batch:
+            tokens = sampled.get(item.seq)
+            if item.samples and item.num_logits_rows > 1 and isinstance(tokens, list):
+                self.totals.observe_draft(item.num_logits_rows - 1, len(tokens) - 1)
+
+    def new_iteration(self) -> IterationStats:
+        """The step's `IterationStats`: every new token is timed now."""
+        iteration_stats = IterationStats(time.monotonic())
+        iteration_stats.num_prompt_tokens = self._step_prompt_tokens
+        return iteration_stats
+
+    def observe_step(self, iteration_stats: IterationStats, outputs: list) -> None:
+        """After the step: finished requests, tokens, KV figures; then the
+        stat loggers and, when due, the log line."""
+        for output in outputs:
+            if output.finished:
+                self.count_finished(output.outputs[0].finish_reason)
+        t = self.totals
+        t.generation_tokens += iteration_stats.num_generation_tokens
+        t.iteration_tokens.observe(iteration_stats.num_prompt_tokens
+                                   + iteration_stats.num_generation_tokens)
+        usage = self.kv_usage()
+        t.peak_running = max(t.peak_running, len(self.scheduler.running))
+        t.peak_reserved_slots = max(t.peak_reserved_slots, usage.reserved_slots)
+        t.peak_used_slots = max(t.peak_used_slots, usage.used_slots)
+        t.sum_reserved_slots += usage.reserved_slots
+        t.sum_used_slots += usage.used_slots
+        self.record(iteration_stats)
+        self.maybe_log(idle=not self.scheduler.has_unfinished())
+
+    def count_finished(self, reason) -> None:
+        self.totals.finished[reason] = self.totals.finished.get(reason, 0) + 1
+
+    # ------------------------------------------------------------ readers
+    def kv_usage(self):
+        return self.block_manager.usage(self.scheduler.running)
+
+    def avg_kv_waste_perc(self) -> float:
+        """KV waste averaged over the steps run so far."""
+        t = self.totals
+        return 100.0 * (1 - t.sum_used_slots / t.sum_reserved_slots) if t.sum_reserved_slots else 0.0
+
+    def add_stat_logger(self, logger) -> None:
+        """ch06: `logger.record(iteration_stats)` after every step (vLLM's
+        stat loggers). The list is replaced, never changed in place: another
+        thread may add a logger while the engine loop goes through the list."""
+        self.stat_loggers = [*self.stat_loggers, logger]
+
+    def record(self, iteration_stats: IterationStats) -> None:
+        for logger in self.stat_loggers:
+            try:
+                logger.record(iteration_stats)
+            except Exception:  # noqa: BLE001 - a figure lost, never the engine
+                log.exception("stat logger %r failed; the engine goes on", logger)
+
+    def maybe_log(self, idle: bool) -> None:
+        """vLLM's periodic line: throughput, queues, KV usage, preemptions.
+        Written every `log_interval_s` of work, and when the engine goes
+        idle, so every burst of requests ends with one."""
+        now = time.monotonic()
+        last_time, last_prompt, last_gen = self._last_log
+        elapsed = now - last_time
+        if elapsed < self.log_interval_s and not idle:
+            return
+        usage, t = self.kv_usage(), self.totals
+        log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                 "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                 "KV waste: %.1f%% (avg %.1f%%), Preemptions: %d",
+                 (t.prompt_tokens - last_prompt) / elapsed,
+                 (t.generation_tokens - last_gen) / elapsed,
+                 len(self.scheduler.running), len(self.scheduler.waiting),
+                 usage.usage_perc, usage.waste_perc, self.avg_kv_waste_perc(),
+                 self.scheduler.num_preemptions)
+        self._last_log = (now, t.prompt_tokens, t.generation_tokens)
+
+    def snapshot(self, bytes_per_slot: int, speculating: bool) -> dict:
+        """The figures of `LLMEngine.snapshot()` that this collector keeps."""
+        usage, t, bm = self.kv_usage(), self.totals, self.block_manager
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": usage.usage_perc,
+            "kv_reserved_slots": usage.reserved_slots, "kv_used_slots": usage.used_slots,
+            "kv_waste_perc": usage.waste_perc,
+            "peak_running": t.peak_running,
+            "peak_kv_reserved_bytes": t.peak_reserved_slots * bytes_per_slot,
+            "peak_kv_used_bytes": t.peak_used_slots * bytes_per_slot,
+            "avg_kv_waste_perc": self.avg_kv_waste_perc(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": t.prompt_tokens, "generation_tokens": t.generation_tokens,
+            "prefix_cache_queries": t.prefix_cache_queries, "prefix_cache_hits": t.prefix_cache_hits,
+            "prefix_cache_queried_blocks": bm.prefix_queries,
+            "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "iteration_tokens": t.iteration_tokens.as_dict(),
+            **(t.spec_decode_snapshot() if speculating else {}),  # ch07
+            "finished": dict(t.finished),
+        }

@@ -1,4 +1,4 @@
-"""Structured outputs (ch06): a grammar per constrained sequence, as a token mask.
+"""Structured outputs (ch07): a grammar per constrained sequence, as a token mask.
 
 `response_format: {"type": "json_schema", ...}` (or vLLM's
 `structured_outputs`) becomes a grammar that the answer must follow. The
@@ -20,20 +20,21 @@ as in vLLM: a schema that no answer of that length satisfies ends there).
 
 Where each piece lives, as in vLLM's v1 (vllm/v1/structured_output/):
 
-- `StructuredOutputManager`: one per engine. `compile` turns
+- `StructuredOutputManager`: one per engine, swapped in at construction
+  (`LLMEngine(structured_output_cls=StructuredOutputManager)`, chapter
+  07's server). `compile` turns
   `StructuredOutputsParams` into a compiled grammar (the servers call it
   in a worker thread, before queueing: a bad schema is a 400, and a slow
   compile never stalls the event loop; xgrammar caches each distinct
   grammar, so a schema is compiled once); `grammar_bitmasks` fills the
   masks of a step's constrained rows.
-- `StructuredOutputGrammar`: one sequence's matcher. The model runner
-  fills its rows of the step's bitmask (`fill_bitmask_rows`) and applies
-  them; it advances with every token the sequence accepts
+- `StructuredOutputGrammar`: one sequence's matcher. The manager fills
+  its rows of the step's bitmask (`fill_bitmask_rows`); it advances with every token the sequence accepts
   (`Sequence.append`). A preempted
   sequence keeps it: preemption drops K/V, not output tokens, and the
   matcher has consumed exactly those.
 
-Speculative decoding (ch06): a sequence checking k drafts gets k + 1 rows
+Speculative decoding (ch07): a sequence checking k drafts gets k + 1 rows
 of mask, row j filled after the matcher has accepted drafts 1..j, then
 rolled back: the rejection sampler sees the same masked distribution at
 every position as plain decoding would.
@@ -51,6 +52,8 @@ import re
 import torch
 import xgrammar as xgr
 
+from common.engine.scheduler import ScheduledSeq
+from common.layers.token_bitmask import allocate_token_bitmask, apply_token_bitmask
 from common.sampling_params import StructuredOutputsParams
 
 
@@ -88,7 +91,7 @@ class StructuredOutputGrammar:
     def fill_bitmask_rows(self, bitmask: torch.Tensor, first_row: int,
                           draft_token_ids: list[int] = ()) -> None:
         """Rows first_row .. first_row + len(drafts) of `bitmask`: the tokens
-        allowed next, and ch06 (speculative decoding) row j after drafts
+        allowed next, and ch07 (speculative decoding) row j after drafts
         1..j were accepted, then the matcher rolled back to where it was.
         Rows after a draft the grammar refuses stay all-allowed: never used,
         since that draft has probability 0 and is rejected there."""
@@ -141,3 +144,26 @@ class StructuredOutputManager:
     def grammar_for(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A fresh matcher for one sequence (the compile is a cache hit)."""
         return StructuredOutputGrammar(self.compile(params), self.max_rollback_tokens)
+
+    def apply(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
+              rows: list[range]) -> None:
+        """The model runner's logits step: each constrained sequence's rows
+        get its grammar's mask (-inf for the tokens it does not allow); the
+        other rows are untouched. A sequence with k + 1 rows (ch07,
+        speculative decoding) fed k drafts after its first row's token:
+        row j is masked after the grammar has taken drafts 1..j."""
+        constrained = [(item, r) for item, r in zip(sampling, rows)
+                       if item.seq.structured_output is not None]
+        if not constrained:
+            return
+        row_ids = [row for _, r in constrained for row in r]
+        bitmask = allocate_token_bitmask(len(row_ids), logits.shape[-1])  # (rows, words)
+        first = 0
+        for item, r in constrained:
+            fed = item.input_token_ids()
+            drafts = fed[len(fed) - len(r) + 1:]  # fed after the first row's token: ch07's drafts
+            item.seq.structured_output.fill_bitmask_rows(bitmask, first, drafts)
+            first += len(r)
+        masked = logits[row_ids]  # (rows, vocab), a copy
+        apply_token_bitmask(masked, bitmask.to(logits.device))
+        logits[row_ids] = masked

@@ -1,4 +1,4 @@
-"""The ranks of tensor parallelism: the processes and the pipes (ch06).
+"""The ranks of tensor parallelism: the processes and the pipes (ch08).
 
 Rank 0 is the engine's own process: it schedules, samples and processes
 outputs, once. Ranks 1..N-1 are worker processes (torch.multiprocessing,

@@ -4,12 +4,12 @@ Every rank of the engine is built by one function, `build_worker`, in one
 order (vLLM's `Worker`; nano-vllm builds each rank as `ModelRunner(config,
 rank, event)`):
 
-1. the device: cuda:r, or the CPU; ch06, on more than one rank: the rank's
+1. the device: cuda:r, or the CPU; ch08, on more than one rank: the rank's
    share of the CPU cores and its place in the process group;
 2. the model: loaded (rank 0 is given the engine's), quantized in place
-   (ch06, `--quantization`), cut to this rank's shard (ch06);
+   (ch08, `--quantization`), cut to this rank's shard (ch08);
 3. the card: the weights booked, then as many KV blocks as the rest holds
-   (or the number given), the smallest number over the ranks (ch06);
+   (or the number given), the smallest number over the ranks (ch08);
 4. the KV cache, the `ModelRunner`, and on CUDA the decode graphs (ch05);
 5. a `RankReport`, what rank 0 logs at startup.
 
@@ -47,7 +47,7 @@ from common.memory import Card, format_bytes
 from common.models import build_forward, quantizable_linears, shard_for_rank
 
 log = logging.getLogger("llm-course")
-STOP = "stop"  # what rank 0 sends a worker process to end it (ch06)
+STOP = "stop"  # what rank 0 sends a worker process to end it (ch08)
 
 
 # ------------------------------------------------ the messages (ch06)
@@ -81,7 +81,7 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def quant_ops_for(device: torch.device):
-    """How `--quantization` multiplies (ch06): the Triton kernels on CUDA,
+    """How `--quantization` multiplies (ch08): the Triton kernels on CUDA,
     PyTorch's packed kernels on the CPU."""
     if device.type == "cuda":
         from common.layers.quant_kernels import TritonQuantOps  # Triton: CUDA only
@@ -106,7 +106,7 @@ class Worker:
         return self.report.weight_bytes
 
     def serve(self, conn) -> None:
-        """Ranks 1..N-1 (ch06): run every step rank 0 sends, until "stop"
+        """Ranks 1..N-1 (ch08): run every step rank 0 sends, until "stop"
         (or until rank 0 is gone)."""
         while True:
             try:
@@ -125,26 +125,26 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
 
     `loaded`: the model, when the caller has it (rank 0); otherwise this rank
     loads `config.model`. `num_blocks`: a fixed cache size (tests) instead of
-    sizing from the card. `port` (ch06): the ranks' rendezvous. `attention_ops`,
+    sizing from the card. `port` (ch08): the ranks' rendezvous. `attention_ops`,
     `quant_ops`: the components, replaceable (default: picked for the device).
-    `workers` (ch06, rank 0): the other ranks (tp_workers.TPWorkers), which
+    `workers` (ch08, rank 0): the other ranks (tp_workers.TPWorkers), which
     the ModelRunner sends every step to."""
     world_size = config.tensor_parallel_size
     device = rank_device(loaded.device if loaded is not None else config.device, rank)
     tp = SINGLE_RANK
-    if world_size > 1:  # ch06: the rank's cores, its place in the process group
+    if world_size > 1:  # ch08: the rank's cores, its place in the process group
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))
         tp = init_tensor_parallel(rank, world_size, port, device)
     loaded = loaded or load_model(config.model, config.dtype, str(device), config.load_format,
                                   config.seed)
     model = loaded.model
-    if config.quantization:  # ch06: weight-only int8/int4, swapped in place
+    if config.quantization:  # ch08: weight-only int8/int4, swapped in place
         scheme = QuantScheme(config.quantization)
         quantize_linears(model, quantizable_linears(model, scheme), scheme,
                          quant_ops or quant_ops_for(device))
     if world_size > 1:
-        shard_for_rank(model, rank, world_size)  # ch06: keep this rank's share, in place
+        shard_for_rank(model, rank, world_size)  # ch08: keep this rank's share, in place
     forward = build_forward(model, attention_ops, tp)
     card = Card(device, config.device_memory_gb, config.gpu_memory_utilization)
     weight_bytes = card.charge_weights(model, forward.packed_bytes)
@@ -157,7 +157,7 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
         room, line = num_blocks_for_card(card, model, block_size,
                                          config.max_num_batched_tokens, world_size)
         log.info(line)
-    num_blocks = tp.min_over_ranks(room)  # ch06: the same blocks on every card
+    num_blocks = tp.min_over_ranks(room)  # ch08: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
     runner = ModelRunner(forward, kv_cache, workers)
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
@@ -171,7 +171,7 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
 
 def worker_main(config: EngineConfig, rank: int, port: int, block_size: int,
                 num_blocks: int | None, conn) -> None:
-    """The body of worker process `rank` (1..N-1, ch06): build the rank,
+    """The body of worker process `rank` (1..N-1, ch08): build the rank,
     report, serve the steps."""
     try:
         worker = build_worker(config, rank, block_size, num_blocks, port=port)

@@ -1,4 +1,4 @@
-"""The servers on the engine: chapters 03-05's chat server, chapter 06's OpenAI server.
+"""The servers on the engine: chapters 03-05's chat server, chapters 06-08's OpenAI server.
 
 Routes only. Each route hands its validated request to a serving class
 that does the work, one endpoint per file: serving_chat.py,
@@ -11,14 +11,17 @@ serving_engine.py (the only code that talks to the engine).
   work by changing only `base_url`: the same routes, streaming (SSE), text
   completions, `/tokenize`, `/detokenize`, `/version`, `/metrics`
   (Prometheus, vLLM's names), `--api-key` (401), `--max-waiting`
-  backpressure (503 with `Retry-After`), `--disable-fastapi-docs`.
+  backpressure (503 with `Retry-After`), `--disable-fastapi-docs`;
+- chapters 07 and 08 run the same `main`, with chapter 07's grammar step
+  (`structured_output_cls`) and their own flags (the table of which
+  chapter adds which flag and field: common/entrypoints/chapters.py).
 
 Every server shares the HTTP edge (middleware.py), the command line
 (cli_args.py), a read deadline and a bounded graceful shutdown
 (launcher.py), and, if the engine loop dies, 503 `engine_dead` then exit
 code 1, so that a supervisor restarts the server (what vLLM does).
 
-Left out: tool calls, structured output, the Responses API, embeddings,
+Left out: tool calls, the Responses API, embeddings,
 several models per server, and byte-exact token strings in logprobs (a
 token that holds part of a UTF-8 character shows as "\\ufffd").
 """
@@ -39,6 +42,7 @@ from common.config import config_from_args
 from common.engine.async_llm import AsyncLLM, EngineDeadError
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import ContinuousScheduler, Scheduler
+from common.entrypoints.chapters import refuse_later_fields
 from common.entrypoints.cli_args import (
     DEFAULT_MAX_WAITING,
     api_server_parser,
@@ -53,7 +57,7 @@ from common.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from common.entrypoints.responses import ModelCard, ModelList
 from common.entrypoints.serving_chat import OpenAIServingChat
 from common.entrypoints.serving_completion import OpenAIServingCompletion
-from common.entrypoints.serving_engine import engine_error, no_streaming_error
+from common.entrypoints.serving_engine import engine_error
 from common.entrypoints.serving_tokenization import OpenAIServingTokenization
 
 log = logging.getLogger("llm-course")
@@ -85,7 +89,8 @@ def add_engine_routes(app: FastAPI, engine: AsyncLLM, model_name: str) -> None:
 
 
 # ----------------------------------------------------- chapters 03-05
-def build_engine_chat_app(title: str, engine: AsyncLLM, model_name: str) -> FastAPI:
+def build_engine_chat_app(title: str, engine: AsyncLLM, model_name: str,
+                          chapter: str) -> FastAPI:
     """Chat completions answered whole, on the engine (ch03-05)."""
     chat = OpenAIServingChat(engine, model_name)
     app = new_app(title, __version__)
@@ -93,30 +98,32 @@ def build_engine_chat_app(title: str, engine: AsyncLLM, model_name: str) -> Fast
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        if req.stream:
-            raise no_streaming_error()
+        refuse_later_fields(req, chapter)  # `stream` is chapter 06's, grammars 07's
         return await chat.create_chat_completion(req, request)
 
     return app
 
 
-def run_chat_server(title: str, scheduler_cls: type[Scheduler], enable_prefix_caching: bool = False,
+def run_chat_server(chapter: str, title: str, scheduler_cls: type[Scheduler],
                     **config: object) -> int:
-    """Chapters 03-05's main: parse the flags, build the engine with the
-    chapter's scheduler and `config` (EngineConfig fields the chapter
-    sets), serve. `enable_prefix_caching`: the default of the flag."""
-    parser = server_parser(title, enable_prefix_caching)
-    args = parse_server_args(parser)
+    """Chapters 03-05's main: parse the chapter's flags, build the engine
+    with its scheduler and `config` (EngineConfig fields the chapter sets),
+    serve."""
+    parser = server_parser(title, chapter)
+    args = parse_server_args(parser, chapter)
     engine_config = dataclasses.replace(config_from_args(args), **config)
     engine = build_engine(parser, lambda: LLMEngine(engine_config, scheduler_cls=scheduler_cls))
-    return serve(build_engine_chat_app(title, engine, engine_config.model_name), args, engine)
+    return serve(build_engine_chat_app(title, engine, engine_config.model_name, chapter),
+                 args, engine)
 
 
-# ----------------------------------------------------------- chapter 06
+# ------------------------------------------------------- chapters 06-08
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False,
-              metrics: Metrics | None = None) -> FastAPI:
-    """The OpenAI-compatible app: chapter 05's routes, streaming, and the rest."""
+              metrics: Metrics | None = None, chapter: str = "06",
+              title: str = "Chapter 06: the OpenAI-compatible server") -> FastAPI:
+    """The OpenAI-compatible app: chapter 05's routes, streaming, and the rest.
+    `chapter`: the fields of later chapters are refused (chapter 06 has no grammars)."""
     metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive,
                                  max_model_len=engine.max_model_len,
                                  cache_config=engine.cache_config_info)
@@ -126,17 +133,19 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     chat = OpenAIServingChat(engine, model_name, **core)
     completion = OpenAIServingCompletion(engine, model_name, **core)
     tokenization = OpenAIServingTokenization(engine, model_name)
-    app = new_app("Chapter 06: the OpenAI-compatible server", __version__, disable_docs)
+    app = new_app(title, __version__, disable_docs)
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)
     add_engine_routes(app, engine, model_name)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        refuse_later_fields(req, chapter)
         return await chat.create_chat_completion(req, request)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
+        refuse_later_fields(req, chapter)
         return await completion.create_completion(req, request)
 
     @app.get("/version")
@@ -155,14 +164,17 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     return app
 
 
-def main() -> int:
-    """Chapter 06's main, like `vllm serve`."""
-    parser = api_server_parser()
-    args = parse_server_args(parser)
+def main(chapter: str = "06", title: str = "Chapter 06: the OpenAI-compatible server",
+         structured_output_cls: type | None = None) -> int:
+    """Chapters 06-08's main, like `vllm serve`. `structured_output_cls`
+    (ch07 on): the engine's grammar step, for `response_format`."""
+    parser = api_server_parser(title, chapter)
+    args = parse_server_args(parser, chapter)
     config = config_from_args(args)
-    engine = build_engine(parser, lambda: LLMEngine(config, scheduler_cls=ContinuousScheduler))
+    engine = build_engine(parser, lambda: LLMEngine(
+        config, scheduler_cls=ContinuousScheduler, structured_output_cls=structured_output_cls))
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
-                    args.disable_fastapi_docs)
+                    args.disable_fastapi_docs, chapter=chapter, title=title)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)
 

@@ -1,11 +1,12 @@
-"""The servers' command lines (ch01; ch06 adds the API flags), as `vllm serve` spells them.
+"""The servers' command lines (ch01; later chapters add flags), as `vllm serve` spells them.
 
 `server_parser` is every chapter's: `--host`, `--port`, the HTTP deadlines
 (common/entrypoints/launcher.py) and the engine flags (common/config.py).
 `api_server_parser` adds chapter 06's `--api-key`, `--max-waiting` and
-`--disable-fastapi-docs`. `build_engine` turns a flag that does not fit
-the model (`--tensor-parallel-size 2` for 9 heads) into a usage error, and
-`refuse_later_flags` a flag of a later chapter given to chapter 02.
+`--disable-fastapi-docs`. `parse_server_args` refuses, by name, a flag
+that a later chapter adds (the table is common/entrypoints/chapters.py),
+and `build_engine` turns a flag that does not fit the model
+(`--tensor-parallel-size 2` for 9 heads) into a usage error.
 
 Left out: vLLM's config files (`--config`), SSL flags, `--uds`.
 """
@@ -18,26 +19,38 @@ from typing import Callable
 from common.config import ConfigError, add_engine_args, resolve_model_flags
 from common.engine.async_llm import AsyncLLM
 from common.engine.llm_engine import LLMEngine
+from common.entrypoints.chapters import (
+    FLAG_CHAPTERS,
+    hide_later_flags,
+    not_in_chapter,
+    refuse_later_flags,
+)
 from common.entrypoints.launcher import add_http_args
 
 DEFAULT_MAX_WAITING = 256
 
 
-def server_parser(description: str, enable_prefix_caching: bool = False
-                  ) -> argparse.ArgumentParser:
+def server_parser(description: str, chapter: str = "08",
+                  enable_prefix_caching: bool | None = None) -> argparse.ArgumentParser:
+    """Chapter `chapter`'s flags (a later chapter's are hidden from `--help`).
+    `enable_prefix_caching`: the flag's default (None: on from chapter 05,
+    as in vLLM's current engine)."""
+    if enable_prefix_caching is None:
+        enable_prefix_caching = chapter >= "05"
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     add_http_args(parser)
     add_engine_args(parser, enable_prefix_caching)
+    hide_later_flags(parser, chapter)
     return parser
 
 
-def api_server_parser() -> argparse.ArgumentParser:
-    """Chapter 06's flags: chapter 05's, plus the API's."""
-    p = server_parser("Chapter 06: the OpenAI-compatible server (like `vllm serve`)",
-                      enable_prefix_caching=True)  # as chapter 05, and vLLM
+def api_server_parser(description: str = "Chapter 06: the OpenAI-compatible server",
+                      chapter: str = "06") -> argparse.ArgumentParser:
+    """Chapter 06's flags on: chapter 05's, plus the API's."""
+    p = server_parser(description, chapter)
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and "
                         "/detokenize (default: open)")
@@ -48,34 +61,21 @@ def api_server_parser() -> argparse.ArgumentParser:
     return p
 
 
-# The flags of later chapters, and the chapter that adds each: chapter 02
-# refuses them rather than ignore them. Not here: --max-num-seqs and
-# --max-num-batched-tokens, which `make bench` passes to every chapter alike
-# (chapter 02 has no scheduler for them to limit).
-FLAG_CHAPTERS = {"--block-size": "04", "--enable-prefix-caching": "04",
-                 "--long-prefill-token-threshold": "05", "--enforce-eager": "05",
-                 "--quantization": "06", "--tensor-parallel-size": "06",
-                 "--speculative-config": "06"}
-
-
-def refuse_later_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                       chapter: str) -> None:
-    """ch02: a usage error (exit 2) for a flag that a later chapter adds, set
-    to anything but its default (left at it, it changes nothing)."""
-    for flag, adds in FLAG_CHAPTERS.items():
-        dest = flag.removeprefix("--").replace("-", "_")
-        if adds > chapter and getattr(args, dest) != parser.get_default(dest):
-            parser.error(f"{flag} is not implemented in chapter {chapter}: "
-                         f"chapter {adds} adds it")
-
-
-def parse_server_args(parser: argparse.ArgumentParser,
-                      chapter: str | None = None) -> argparse.Namespace:
-    """The flags, checked; `chapter` ("02"): refuse the flags of later chapters."""
-    args = parser.parse_args()
+def parse_server_args(parser: argparse.ArgumentParser, chapter: str,
+                      argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: a later chapter's flag (`--api-key` given to
+    chapter 05, `--quantization` to chapter 06) is a usage error that
+    names the chapter adding it, whether this chapter's parser knows the
+    flag or not."""
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        flag = token.split("=", 1)[0]
+        if FLAG_CHAPTERS.get(flag, "00") > chapter:
+            parser.error(not_in_chapter(flag, chapter, FLAG_CHAPTERS[flag]))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     resolve_model_flags(parser, args)
-    if chapter is not None:
-        refuse_later_flags(parser, args, chapter)
+    refuse_later_flags(parser, args, chapter)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return args
 
@@ -83,7 +83,7 @@ def parse_server_args(parser: argparse.ArgumentParser,
 def build_engine(parser: argparse.ArgumentParser,
                  factory: Callable[[], LLMEngine]) -> AsyncLLM:
     """`AsyncLLM.build`, where flags that do not fit the model
-    (`--tensor-parallel-size 2` for 9 heads, ch06) exit as a usage error."""
+    (`--tensor-parallel-size 2` for 9 heads, ch08) exit as a usage error."""
     try:
         return AsyncLLM.build(factory)
     except ConfigError as exc:

@@ -191,6 +191,6 @@ def serve(app: FastAPI, args: argparse.Namespace, engine: AsyncLLM | None = None
     make_server(app, args.host, args.port, engine, timeout_read=args.timeout_read,
                 shutdown_timeout=args.shutdown_timeout).run()
     if engine is not None:
-        engine.close()  # ch06: stop the tensor-parallel workers, if any
+        engine.close()  # ch08: stop the tensor-parallel workers, if any
     log.info("server stopped")
     return exit_code(engine)

@@ -28,7 +28,7 @@ usage as a fraction. vLLM's own Grafana dashboard
 repository) reads only these names: all 12 of its panels have data
 against chapter 06 (06-openai-server/README.md).
 
-ch06, speculative decoding: vLLM's counters `vllm:spec_decode_num_drafts`,
+ch07, speculative decoding: vLLM's counters `vllm:spec_decode_num_drafts`,
 `_num_draft_tokens`, `_num_accepted_tokens` and `_num_accepted_tokens_per_pos`
 (label `position`), and the acceptance rate as a gauge under vLLM v0's
 name, `vllm:spec_decode_draft_acceptance_rate` (v1 leaves the division to
@@ -120,7 +120,7 @@ class EngineCollector:
             yield from self._spec_decode(s)
 
     def _spec_decode(self, s: dict):
-        """ch06: speculative decoding's counts (vLLM's names)."""
+        """ch07: speculative decoding's counts (vLLM's names)."""
         yield self._counter("vllm:spec_decode_num_drafts", "Sequences that checked drafts, "
                             "summed over steps.", s["spec_decode_num_drafts"])
         yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens checked.",

@@ -12,13 +12,13 @@
   ignored; unknown fields are ignored, as OpenAI and vLLM do.
 
 The strict base (`StrictModel`, `Text`) is common/entrypoints/strict.py;
-the structured-output fields (ch06) are common/entrypoints/response_format.py.
+the structured-output fields (ch07) are common/entrypoints/response_format.py.
 A refusal here becomes a 400 naming its `param` (common/entrypoints/middleware.py).
 What needs the model (token ids inside the vocabulary, the context length)
 is checked by the serving code, which knows the tokenizer. What the server
 answers is in common/entrypoints/responses.py.
 
-ch06, structured outputs: `response_format` (OpenAI's `text`,
+ch07, structured outputs: `response_format` (OpenAI's `text`,
 `json_object`, `json_schema`) and vLLM's `structured_outputs` extra
 (`json`, `json_object`, `regex`, `choice`, `grammar`) become one
 `StructuredOutputsParams` (`SamplingFields.structured_outputs_params`).
@@ -114,7 +114,7 @@ class SamplingFields(StrictModel):
     return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
     prompt_logprobs: int | None = None  # refused (REFUSED_VLLM_FIELDS)
     use_beam_search: bool = False  # refused
-    # ch06: structured outputs, OpenAI's way or vLLM's (not both)
+    # ch07: structured outputs, OpenAI's way or vLLM's (not both)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -122,6 +122,12 @@ class SamplingFields(StrictModel):
     @classmethod
     def _refused_vllm_extras(cls, value, info: ValidationInfo):
         return refuse_unless_default(cls, value, info)
+
+    @field_validator("response_format")
+    @classmethod
+    def _free_text_is_the_default(cls, value):
+        """`{"type": "text"}` asks for nothing: the same as no response_format."""
+        return None if value is not None and value.type == "text" else value
 
     @field_validator("structured_outputs")
     @classmethod
@@ -133,7 +139,7 @@ class SamplingFields(StrictModel):
         return value
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
-        """ch06: what the answer must match (None: free text), and the
+        """ch07: what the answer must match (None: free text), and the
         request field that said so (the `param` of a 400 about it)."""
         if self.structured_outputs is not None:
             return self.structured_outputs.params(), "structured_outputs"

@@ -1,4 +1,4 @@
-"""`response_format` and vLLM's `structured_outputs` (ch06): what the answer must match.
+"""`response_format` and vLLM's `structured_outputs` (ch07): what the answer must match.
 
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and
 vLLM's `structured_outputs` request extra (`json`, `json_object`, `regex`,

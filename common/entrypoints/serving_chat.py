@@ -12,7 +12,7 @@ One request, top to bottom (`create_chat_completion`):
 
 Chapters 03-05 answer whole; their route refuses `stream: true` (api_server.py).
 
-ch06: `response_format` (JSON object, JSON schema) and vLLM's
+ch07: `response_format` (JSON object, JSON schema) and vLLM's
 `structured_outputs` constrain the answer (common/engine/structured_output.py);
 the grammar is compiled before the request is queued.
 
@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
         check_model_name(req.model, self.model_name)
         prompt = await run_in_threadpool(self.chat_prompt, req)
-        await self.compile_grammar(req)  # ch06: structured outputs, off the event loop
+        await self.compile_grammar(req)  # ch07: structured outputs, off the event loop
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, [prompt], req, "messages")
         if req.stream:  # ch06

@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, request: Request):
         check_model_name(req.model, self.model_name)
         prompts = await run_in_threadpool(self.completion_prompts, req)
-        await self.compile_grammar(req)  # ch06: structured outputs, off the event loop
+        await self.compile_grammar(req)  # ch07: structured outputs, off the event loop
         request_id = new_id("cmpl")
         streams = self.start(request_id, prompts, req, "prompt")
         if req.stream:

@@ -6,7 +6,7 @@ to the engine (`AsyncLLM`). For every request it
 1. checks what needs the model, once, before queueing anything: the model
    name (404), token ids inside the vocabulary, the context length and the
    cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503),
-   a structured output's grammar (ch06, compiled in a worker thread);
+   a structured output's grammar (ch07, compiled in a worker thread);
 2. queues one engine request per choice: choice k is sample k % n of
    prompt k // n; sample s of a seeded request gets seed + s, so the n
    choices differ yet replay the same;
@@ -66,12 +66,6 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
         check_context_length(num_prompt_tokens, max_tokens, max_model_len)
     except ContextLengthError as exc:
         raise context_error(exc, param) from None
-
-
-def no_streaming_error() -> APIError:
-    """`stream: true` on the chapters that answer whole (01-05)."""
-    return APIError(400, "This chapter's server does not stream; chapter 06's does.",
-                    param="stream")
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -182,7 +176,7 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
             logprobs=req.logprobs_count(),
-            structured_outputs=req.structured_outputs_params()[0],  # ch06
+            structured_outputs=req.structured_outputs_params()[0],  # ch07
             # a whole answer needs only the final output (vLLM's FINAL_ONLY): one
             # message from the engine thread per request instead of one per token
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
@@ -195,7 +189,7 @@ class OpenAIServing:
         return params
 
     async def compile_grammar(self, req: SamplingFields) -> None:
-        """ch06: compile a structured output in a worker thread (cached); refused: a 400."""
+        """ch07: compile a structured output in a worker thread (cached); refused: a 400."""
         params, param = req.structured_outputs_params()
         try:
             if params is not None:

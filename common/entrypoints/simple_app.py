@@ -11,8 +11,9 @@ OpenAI's error envelope, 400 naming the `param`, the 1 MiB body limit) and
 the checks of the engine's serving code (model name, context length).
 
 Left out: the engine (chapter 03 on), streaming (chapter 06), and the
-sampling fields `generate` does not honour: refused with a 400, never
-silently ignored.
+sampling fields `generate` does not honour: refused with a 400 naming the
+chapter that adds them (common/entrypoints/chapters.py), never silently
+ignored.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from fastapi import FastAPI
 
 from common import __version__
 from common.engine.llm_engine import default_max_tokens
-from common.entrypoints.middleware import APIError, new_app
+from common.entrypoints.chapters import refuse_later_fields
+from common.entrypoints.middleware import new_app
 from common.entrypoints.protocol import ChatCompletionRequest
 from common.entrypoints.responses import (
     ChatChoice,
@@ -36,12 +38,7 @@ from common.entrypoints.responses import (
     ResponseMessage,
     new_id,
 )
-from common.entrypoints.serving_engine import (
-    check_context,
-    check_model_name,
-    no_streaming_error,
-    usage,
-)
+from common.entrypoints.serving_engine import check_context, check_model_name, usage
 from common.loader import apply_chat_template
 
 
@@ -54,35 +51,15 @@ class Completion:
 
 GenerateFn = Callable[[list[int], ChatCompletionRequest, int, "int | None"], Completion]
 
-# Sampling fields of the engine (ch03+) that chapter 01 does not implement:
-# refused with a 400 when a request sets them, never silently ignored.
-ENGINE_ONLY_FIELDS = ("top_p", "stop", "presence_penalty", "frequency_penalty",
-                      "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens",
-                      "stop_token_ids", "logprobs", "return_token_ids")
-
-
-def refuse_unimplemented(req: ChatCompletionRequest, implemented: set[str]) -> None:
-    defaults = ChatCompletionRequest.model_fields
-    for name in ENGINE_ONLY_FIELDS:
-        if name not in implemented and getattr(req, name) != defaults[name].default:
-            raise APIError(400, f"`{name}` is not implemented by this chapter's server "
-                           "(our engine, from chapter 03 on, implements it).", param=name)
-    if req.structured_outputs_params()[0] is not None:  # ch06's engine constrains answers
-        raise APIError(400, "Structured outputs are implemented by chapter 06's server, "
-                       "not by this chapter's.", param=req.structured_outputs_params()[1])
-    if req.stream:
-        raise no_streaming_error()
-
-
 def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
-                   generate: GenerateFn, implemented: set[str] = frozenset(),
-                   serialize: bool = False) -> FastAPI:
+                   generate: GenerateFn, serialize: bool = False,
+                   chapter: str = "01") -> FastAPI:
     """FastAPI app with `/v1/models`, `/health` and `/v1/chat/completions`.
 
     `generate(prompt_ids, request, max_tokens, seed)` is the chapter's
     model. `serialize=True` puts a lock around `generate` (chapter 01 runs
-    one request at a time). `implemented`: the optional sampling fields
-    `generate` honours.
+    one request at a time). The fields of later chapters (`top_p`, `stop`,
+    `stream`, ...) are a 400 naming the chapter that adds them.
     """
     app = new_app(title, __version__)
     created = int(time.time())
@@ -101,7 +78,7 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
     def chat(req: ChatCompletionRequest) -> ChatCompletionResponse:
         # A plain `def`: FastAPI runs it in a worker thread, per request.
         check_model_name(req.model, model_name)
-        refuse_unimplemented(req, implemented)
+        refuse_later_fields(req, chapter)
         prompt_ids = apply_chat_template(tokenizer, req.message_dicts())
         max_tokens = req.requested_max_tokens() or default_max_tokens(len(prompt_ids),
                                                                       max_model_len)

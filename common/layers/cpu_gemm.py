@@ -67,7 +67,7 @@ def dense_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None,
 def gemm_for(module: nn.Module) -> Gemm:
     """What the forward pass calls for this linear layer: its product,
     packed or not, or the module itself when it is not a plain nn.Linear
-    (ch06: QuantLinear, common/layers/quantization.py)."""
+    (ch08: QuantLinear, common/layers/quantization.py)."""
     if type(module) is nn.Linear:
         return dense_gemm(module.weight, module.bias)
     return module

@@ -13,7 +13,7 @@ it: a view, so no second copy is kept and HF's forward still runs, on the
 same memory. Building it again on the same modules finds the fused tensor
 and reuses it.
 
-Left out: fusing quantized linears (ch06's QuantLinear keeps one product
+Left out: fusing quantized linears (ch08's QuantLinear keeps one product
 each), fusing across layers, fusing the elementwise work around them.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class FusedLinear:
 
 def fuse_linears(linears: list[nn.Module]) -> FusedLinear | None:
     """Fuse plain nn.Linear modules of one input (in place: their weights
-    become views). None when one is not a plain nn.Linear (ch06: quantized)."""
+    become views). None when one is not a plain nn.Linear (ch08: quantized)."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
     found = getattr(linears[0], "fused_linear", None)

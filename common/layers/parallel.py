@@ -1,4 +1,4 @@
-"""Tensor parallelism, Megatron-LM style (ch06: `--tensor-parallel-size N`).
+"""Tensor parallelism, Megatron-LM style (ch08: `--tensor-parallel-size N`).
 
 One model, N ranks (one process and one card each). Every matrix of a
 Llama layer is cut in N, so that each rank holds 1/N of the weights and

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmuls as Triton kernels (ch06, CUDA).
+"""Weight-only quantized matmuls as Triton kernels (ch08, CUDA).
 
 The same two calls as `ReferenceQuantOps` in common/layers/quantization.py
 (`quantize` stores a weight, `linear` multiplies by it), on the same

@@ -1,4 +1,4 @@
-"""Weight-only quantization of the linear layers (ch06: `--quantization`).
+"""Weight-only quantization of the linear layers (ch08: `--quantization`).
 
 A decode step reads every weight once to produce one token per sequence, so
 its speed on a GPU is set by the bytes of the weights, and the bytes the
@@ -19,8 +19,9 @@ Activations stay in the model's dtype; only the weights are small. Three
 implementations, one interface (`QuantOps.quantize` stores a weight,
 `QuantOps.linear` multiplies by it), as for attention:
 
-1. `ReferenceQuantOps`: dequantize to the activations' dtype, then
-   `F.linear`. Readable, and the definition the others are tested against.
+1. `ReferenceQuantOps`: int8 multiplies by the integers and scales the
+   outputs (`int8_linear`); int4 dequantizes to the activations' dtype,
+   then `F.linear`. Readable, and the definition the others are tested against.
 2. `CpuPackedQuantOps`: PyTorch's packed CPU kernels
    (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, the
    ones torchao uses). Their fast path takes bfloat16 activations, so a
@@ -99,6 +100,20 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return qweight.float() * scales.float()[:, None]
 
 
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (M, K); qweight: (N, K) int8; scales: (N,); bias: (N,) or None
+    -> (M, N) in x's dtype: `x @ (qweight * scales[:, None]).T + bias`,
+    without the float weight. Row n has one scale, so it leaves the sum
+    over k: y[m, n] = s[n] * sum_k x[m, k] q[n, k]. Multiply by the integers,
+    then scale the (M, N) outputs, in float32 as a kernel's accumulator
+    (float16 sums of q could overflow). PyTorch has no int8 x float matmul:
+    `.float()` copies q whole, where a kernel converts a tile at a time."""
+    acc = x.float() @ qweight.float().T  # (M, N): sums of x times integers
+    out = (acc * scales.float()).to(x.dtype)  # (M, N) * (N,): column n times s[n]
+    return out if bias is None else out + bias
+
+
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                     group_size: int = GROUP_SIZE) -> torch.Tensor:
     """(N, K // 2) packed, (N, G), (N, G) -> (N, K) float32: q * scale + min."""
@@ -114,8 +129,10 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 
 # --------------------------------------------------------------- the ops
 class ReferenceQuantOps:
-    """Dequantize, then an ordinary matmul in the activations' dtype."""
-    name = "reference (dequantize + F.linear)"
+    """int8: `int8_linear` (the integers, then the scales). int4: dequantize,
+    then an ordinary matmul in the activations' dtype (its scales change
+    along k, so they cannot leave the sum)."""
+    name = "reference (int8: scales after the matmul; int4: dequantize + F.linear)"
 
     @staticmethod
     def quantize(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
@@ -130,9 +147,8 @@ class ReferenceQuantOps:
     def linear(x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         """x: (M, K) -> (M, N)."""
         if layer.scheme is QuantScheme.INT8:
-            w = dequantize_int8(layer.qweight, layer.scales)
-        else:
-            w = dequantize_int4(layer.qweight, layer.scales, layer.mins)
+            return int8_linear(x, layer.qweight, layer.scales, layer.bias)
+        w = dequantize_int4(layer.qweight, layer.scales, layer.mins)
         return F.linear(x, w.to(x.dtype), layer.bias)
 
 

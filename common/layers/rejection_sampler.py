@@ -1,4 +1,4 @@
-"""The rejection sampler (ch06, speculative decoding): draft tokens checked
+"""The rejection sampler (ch07, speculative decoding): draft tokens checked
 in one forward pass, keeping the model's own distribution.
 
 A speculating sequence feeds its last token plus k draft tokens d_1..d_k
@@ -25,7 +25,7 @@ statistically (tests/test_speculative.py).
 p is the distribution after everything the plain sampler applies:
 penalties counting the earlier drafts as output (`RequestSamplingState.adjust`
 with `pending`), the bias, the min_tokens ban, temperature, top-k/p,
-min-p, and the grammar's mask (applied to the logits before, ch06).
+min-p, and the grammar's mask (applied to the logits before, ch07).
 Each request draws from its own generator: a seeded request replays.
 
 vLLM's file: vllm/v1/sample/rejection_sampler.py (batched on the GPU,

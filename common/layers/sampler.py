@@ -15,7 +15,7 @@ updated by one token per step: so a request with a 49,152-entry
 `logit_bias`, a long prompt under a repetition penalty or hundreds of
 `stop_token_ids` costs the other requests' steps no more than a plain one.
 
-A grammar's mask (ch06, structured outputs) is applied to the logits
+A grammar's mask (ch07, structured outputs) is applied to the logits
 before they reach the sampler (common/layers/token_bitmask.py); draft
 tokens are checked by common/layers/rejection_sampler.py, which uses the
 same per-request state.
@@ -106,7 +106,7 @@ class RequestSamplingState:
         prompt and output; OpenAI's presence and frequency penalties count
         the output; the bias is added to the penalized logits).
 
-        `pending` (ch06, speculative decoding): draft tokens that come
+        `pending` (ch07, speculative decoding): draft tokens that come
         before this row's position and count as output if this row is
         reached (they are accepted by then), as vLLM's rejection sampler
         counts them; the state itself is not changed."""
@@ -152,7 +152,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: (vocab,), adjusted -> the distribution a sampled (not greedy)
     row draws from: temperature, then top-k, top-p, min-p, then softmax.
-    The rejection sampler (ch06) checks drafts against this same p."""
+    The rejection sampler (ch07) checks drafts against this same p."""
     return torch.softmax(filter_logits(logits / params.temperature, params), dim=-1)
 
 

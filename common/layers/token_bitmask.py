@@ -1,4 +1,4 @@
-"""A grammar's token mask on the logits (ch06, structured outputs).
+"""A grammar's token mask on the logits (ch07, structured outputs).
 
 A grammar matcher (xgrammar's, common/engine/structured_output.py) says,
 before each token, which tokens of the vocabulary may come next. It says

@@ -1,7 +1,7 @@
 """Our own forward passes (ch03): the weights stay in the HF model.
 
 What depends on the model's family lives here, not in common/layers/:
-which forward pass runs it, whether it can be split over ranks (ch06,
+which forward pass runs it, whether it can be split over ranks (ch08,
 `check_tensor_parallel`) or quantized (`check_quantization`), and which
 of its matrices are cut or quantized (`shard_for_rank`,
 `quantizable_linears`, from each family's module).
@@ -12,20 +12,20 @@ from common.config import ConfigError
 from common.layers.quantization import QuantScheme
 
 # The model types that LlamaForward runs (and that --quantization and
-# --tensor-parallel-size cover, ch06).
+# --tensor-parallel-size cover, ch08).
 LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 
 
 def build_forward(hf_model, attention_ops=None, tp=None):
     """The forward pass for this HF model's family. `attention_ops`: see
     common.layers.attention.paged_attention (default: picked for the device).
-    `tp` (ch06): this rank's `TPGroup` when the model is split over ranks
+    `tp` (ch08): this rank's `TPGroup` when the model is split over ranks
     (Llama family only; common/layers/parallel.py)."""
     model_type = hf_model.config.model_type
     if model_type in LLAMA_FAMILY:
         from common.models.llama import LlamaForward
         if tp is not None:
-            return LlamaForward(hf_model, attention_ops, tp)  # ch06
+            return LlamaForward(hf_model, attention_ops, tp)  # ch08
         return LlamaForward(hf_model, attention_ops)
     if tp is not None and tp.is_parallel:
         raise NotImplementedError("tensor parallelism covers the Llama family")
@@ -78,13 +78,13 @@ def check_quantization(config, scheme: QuantScheme | None) -> None:
 
 
 def shard_for_rank(hf_model, rank: int, world_size: int) -> None:
-    """Keep rank `rank`'s share of the model's weights (ch06), in place."""
+    """Keep rank `rank`'s share of the model's weights (ch08), in place."""
     from common.models.llama import shard_llama_for_rank  # the Llama family only
     shard_llama_for_rank(hf_model, rank, world_size)
 
 
 def quantizable_linears(hf_model, scheme: QuantScheme) -> list[str]:
-    """The paths of the linear layers `--quantization scheme` swaps (ch06)."""
+    """The paths of the linear layers `--quantization scheme` swaps (ch08)."""
     check_quantization(hf_model.config, scheme)
     from common.models.llama import quantizable_linears as llama_linears
     return llama_linears(hf_model)

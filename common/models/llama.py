@@ -10,7 +10,7 @@ The weights are the HF model's own tensors (no copy). The input is a flat
 batch of tokens from any number of sequences, prefill or decode alike:
 `input_ids` and `positions` of shape (num_tokens,), plus AttentionMetadata.
 
-Tensor parallelism (ch06, common/layers/parallel.py): `shard_llama_for_rank`
+Tensor parallelism (ch08, common/layers/parallel.py): `shard_llama_for_rank`
 cuts each matrix; given a `TPGroup` of N ranks, the weights are this rank's shard, so each rank runs num_heads/N
 query heads and num_kv_heads/N KV heads, 1/N of the MLP and of the
 vocabulary; o_proj, down_proj and the embedding end with an all-reduce, the
@@ -18,7 +18,7 @@ LM head with a gather on rank 0. With one rank nothing of that runs.
 
 ch05: q/k/v and gate/up are each one matrix product (common/layers/fused.py,
 as vLLM's QKVParallelLinear and MergedColumnParallelLinear), except for
-quantized layers (ch06), which keep one product per projection. In
+quantized layers (ch08), which keep one product per projection. In
 bfloat16 on a CPU every product multiplies by a weight packed once for
 oneDNN (common/layers/cpu_gemm.py).
 
@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     common/layers/quantization.py) that multiplies by its quantized weight."""
     if isinstance(layer, torch.nn.Linear):
         return F.linear(x, layer.weight, layer.bias)
-    return layer(x)  # ch06: --quantization
+    return layer(x)  # ch08: --quantization
 
 
 class LlamaForward:
@@ -61,8 +61,8 @@ class LlamaForward:
         self.layers = hf_model.model.layers
         self.tp = tp
         self.vocab_size = cfg.vocab_size
-        self.num_heads = cfg.num_attention_heads // tp.world_size  # ch06: this rank's heads
-        self.num_kv_heads = cfg.num_key_value_heads // tp.world_size  # ch06
+        self.num_heads = cfg.num_attention_heads // tp.world_size  # ch08: this rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // tp.world_size  # ch08
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
@@ -103,7 +103,7 @@ class LlamaForward:
         num_tokens = x.shape[0]
         if qkv is not None:  # ch05: one product, split in three (views)
             q, k, v = qkv(x)
-        else:  # ch06: quantized, one product each
+        else:  # ch08: quantized, one product each
             q, k, v = (linear(x, proj) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -113,21 +113,21 @@ class LlamaForward:
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                               self.attention_ops)  # (T, H, D)
         out = self.o_proj[i](out.reshape(num_tokens, -1))  # (T, hidden)
-        return self.tp.all_reduce(out)  # ch06: sum the ranks' partial outputs
+        return self.tp.all_reduce(out)  # ch08: sum the ranks' partial outputs
 
     def mlp(self, i: int, x):
         """Layer i's MLP block, x: (T, hidden) -> (T, hidden)."""
         mlp, gate_up = self.layers[i].mlp, self.gate_up[i]
         if gate_up is not None:  # ch05: one product, split in two
             gate, up = gate_up(x)
-        else:  # ch06: quantized
+        else:  # ch08: quantized
             gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
         out = self.down_proj[i](self.act(gate) * up)
-        return self.tp.all_reduce(out)  # ch06: (T, hidden), summed over the ranks
+        return self.tp.all_reduce(out)  # ch08: (T, hidden), summed over the ranks
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.hf.model.embed_tokens.weight
-        if self.tp.is_parallel:  # ch06: this rank's vocabulary range, all-reduced
+        if self.tp.is_parallel:  # ch08: this rank's vocabulary range, all-reduced
             return vocab_parallel_embedding(input_ids, weight, self.tp)
         return weight[input_ids]  # (T, hidden)
 
@@ -153,10 +153,10 @@ class LlamaForward:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: (N, hidden) -> (N, vocab). The head may be tied to the embedding.
         N is the number of sequences that sample this step, not of tokens.
-        ch06: with N ranks each computes (N, vocab/N); rank 0 gets them all,
+        ch08: with N ranks each computes (N, vocab/N); rank 0 gets them all,
         the other ranks get None."""
         logits = self.lm_head(hidden)  # (N, vocab)
-        return self.tp.gather_vocab(logits, self.vocab_size)  # ch06 (a no-op on one rank)
+        return self.tp.gather_vocab(logits, self.vocab_size)  # ch08 (a no-op on one rank)
 
 
 # ------------------------------------------------------- ch06: the levers

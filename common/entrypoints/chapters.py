@@ -1,0 +1,95 @@
+"""Which chapter adds which flag and request field: one table, every server reads it.
+
+Each chapter's server is the course up to that chapter, no further: a
+flag or a request field that a later chapter adds is refused, never
+silently ignored, and the refusal names the chapter to read next:
+
+    $ python 05-continuous-batching/server.py --speculative-config '{...}'
+    error: --speculative-config is not implemented in chapter 05: chapter 07 adds it
+
+    POST /v1/chat/completions {"response_format": {"type": "json_object"}, ...}
+    400 `response_format` is not implemented in chapter 06: chapter 07 adds it.
+
+A flag is refused at start (exit 2, argparse's usage error, before the
+model loads) when it is set to anything but its default: left at the
+default it changes nothing. A later chapter's flags are also hidden from
+the chapter's `--help`. A field is refused with a 400 naming it, when it
+is set to anything but its default.
+
+Not in the table: what every chapter takes (`--model`, `--dtype`,
+`--max-model-len`, the card's flags), and `--max-num-seqs` and
+`--max-num-batched-tokens`, which `make bench` passes to every chapter
+alike (chapters 01-02 have no scheduler for them to limit).
+"""
+from __future__ import annotations
+
+import argparse
+
+from pydantic import BaseModel
+
+from common.entrypoints.middleware import APIError
+
+# The flags of `vllm serve` each chapter adds (the chapters 01-03 take are not listed).
+FLAG_CHAPTERS: dict[str, str] = {
+    "--block-size": "04", "--enable-prefix-caching": "04",  # paged blocks, prefix reuse
+    "--long-prefill-token-threshold": "05", "--enforce-eager": "05",  # the scheduler
+    "--api-key": "06", "--max-waiting": "06", "--disable-fastapi-docs": "06",  # the API
+    "--speculative-config": "07",  # n-gram speculative decoding
+    "--quantization": "08", "--tensor-parallel-size": "08",  # the levers
+}
+
+# The request fields each chapter adds (chapter 01 takes messages,
+# max_tokens, temperature, n, seed, ignore_eos).
+FIELD_CHAPTERS: dict[str, str] = {
+    # the engine's sampler (chapter 03)
+    "top_p": "03", "stop": "03", "presence_penalty": "03", "frequency_penalty": "03",
+    "logit_bias": "03", "top_k": "03", "min_p": "03", "repetition_penalty": "03",
+    "min_tokens": "03", "stop_token_ids": "03", "logprobs": "03", "top_logprobs": "03",
+    "return_token_ids": "03",
+    "stream": "06", "stream_options": "06",  # server-sent events
+    "response_format": "07", "structured_outputs": "07",  # grammars
+}
+
+
+def not_in_chapter(name: str, chapter: str, adds: str) -> str:
+    """The refusal's words, for a flag (`--quantization`) or a field (`` `stream` ``)."""
+    return f"{name} is not implemented in chapter {chapter}: chapter {adds} adds it"
+
+
+def later_flags(chapter: str) -> dict[str, str]:
+    return {flag: adds for flag, adds in FLAG_CHAPTERS.items() if adds > chapter}
+
+
+def hide_later_flags(parser: argparse.ArgumentParser, chapter: str) -> None:
+    """A chapter's `--help` shows only its own flags (the others still parse,
+    to be refused by name)."""
+    for flag in later_flags(chapter):
+        action = parser._option_string_actions.get(flag)
+        if action is not None:
+            action.help = argparse.SUPPRESS
+
+
+def refuse_later_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       chapter: str) -> None:
+    """A usage error (exit 2) for a flag that a later chapter adds, set to
+    anything but its default."""
+    for flag, adds in later_flags(chapter).items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        if hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
+            parser.error(not_in_chapter(flag, chapter, adds))
+
+
+def refuse_later_fields(request: BaseModel | dict, chapter: str) -> None:
+    """A 400 naming the first field, in the table's order, that a later
+    chapter adds and the request sets to anything but its default. A dict
+    (chapter 02's raw body) counts a field as set when it is present."""
+    for name, adds in FIELD_CHAPTERS.items():
+        if adds <= chapter:
+            continue
+        if isinstance(request, dict):
+            given = name in request
+        else:
+            field = type(request).model_fields.get(name)
+            given = field is not None and getattr(request, name) != field.default
+        if given:
+            raise APIError(400, not_in_chapter(f"`{name}`", chapter, adds) + ".", param=name)

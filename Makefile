@@ -27,7 +27,7 @@ PORT        ?= 8000
 # PEERS=llama-cpp: only llama.cpp) LLAMACPP_DTYPE=bf16 URL=http://host:port (+ a running server;
 # URL_NAME=its row) CHAPTERS="02 05" (CHAPTERS=none: none) BENCH_CARD=1.1
 # ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); LEVERS=1
-# (+ chapter 06 with --quantization int8, int4; LEVERS="int8 bfloat16 tp3"); CLIENTS
+# (+ chapter 08 with --quantization int8, int4; LEVERS="int8 bfloat16 tp3"); CLIENTS
 # ("1 4 16" runs each), REQUESTS and MAX_TOKENS count only when given.
 QUICK       ?=
 PEERS       ?=
@@ -48,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -67,7 +67,7 @@ $(STAMP): requirements.txt
 test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
 
-exercise: $(STAMP) ## CH=04: grade your exercise of a chapter; REFERENCE=1 grades the reference
+exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08): grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
 
 exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests (make test passes them on the reference)
@@ -100,13 +100,13 @@ bench-gpu: $(STAMP) ## on CUDA: dummy Llama-1B, bfloat16, 64 and 256 clients, wi
 fairness: $(STAMP) ## BEFORE=<git rev>: can one client slow, block or starve the others? before vs now (~7 min)
 	$(PY) -m bench.experiments.fairness --before $(or $(BEFORE),9a5445a)
 
-levers: $(STAMP) ## the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
+levers: $(STAMP) ## chapter 08: the levers of vllm serve on the demo card: dtype, int8, int4, TP=3 (weights, KV blocks, tok/s, quality)
 	$(PY) -m bench.experiments.levers $(call given,CLIENTS,--clients) $(call given,MAX_TOKENS,--max-tokens)
 
-bench-spec: $(STAMP) ## speculative decoding: ch07 with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (1.4 min measured)
+bench-spec: $(STAMP) ## chapter 07: speculative decoding, its server with and without n-gram drafts, repetitive and chat loads, 1 and 32 clients (1.4 min measured)
 	$(PY) -m bench.experiments.spec_decode
 
-bench-structured: $(STAMP) ## structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)
+bench-structured: $(STAMP) ## chapter 07: structured outputs: xgrammar compile times and a constrained decode step vs a free one (~2 min)
 	$(PY) -m bench.experiments.structured_outputs
 
 figures: $(STAMP) ## every results .md written again from its .json; then every figure on the pages checked against its file
@@ -114,6 +114,12 @@ figures: $(STAMP) ## every results .md written again from its .json; then every 
 
 samples: $(STAMP) ## the sample outputs the pages quote (answers, /stats, log lines, traces), from real runs (~5 min)
 	$(PY) -m bench.pages.samples
+
+pictures: $(STAMP) ## the course's pictures (KV pool, timelines, card, engine map) from pictures/data/, redrawn
+	$(PY) -m bench.pages.pictures
+
+traces: $(STAMP) ## the pictures' data: the engine run in-process, chapters 03-05 under one load, + the card (pictures/data/, ~1 min)
+	$(PY) -m bench.pages.pictures --record
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
 	nice -n 19 $(PY) -m bench.peers.llamacpp build --jobs $(or $(JOBS),2)
@@ -161,7 +167,7 @@ vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_
 	$(PY) -m bench.peers.vllm_peer serve --port $(PORT) --dtype $(DTYPE) --kv-gb $(VLLM_KV_GB) \
 	  $(if $(MAX_MODEL_LEN),--max-model-len $(MAX_MODEL_LEN))
 
-vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 06 vs the real vLLM vs HF (tokens, the wire)
+vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire)
 	$(PY) -m pytest -m vllm
 
 vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run for real on vLLM: bench/results/*-vllm-steps.md

@@ -5,9 +5,11 @@ the ones its components use. Chapter 03 switches on the KV cache (its
 server sets `block_size=None`: one region of `max_model_len` slots per
 sequence), chapter 04 `--block-size` and `--enable-prefix-caching`,
 chapter 05 the scheduler limits (`--max-num-seqs`,
-`--max-num-batched-tokens`), chapter 06 the API flags and the levers of
-`vllm serve`: `--quantization`, `--tensor-parallel-size`,
-`--speculative-config` (n-gram speculative decoding, `SpeculativeConfig`).
+`--max-num-batched-tokens`), chapter 06 the API flags, chapter 07
+`--speculative-config` (n-gram speculative decoding, `SpeculativeConfig`),
+chapter 08 the levers of `vllm serve`: `--quantization`,
+`--tensor-parallel-size`. A chapter refuses the flags of later ones
+(common/entrypoints/chapters.py).
 
 Left out: pipeline parallelism, LoRA, draft-model, EAGLE and MTP
 speculation, and every vLLM flag that no chapter needs.
@@ -127,7 +129,7 @@ class EngineConfig:
     # budget (vLLM: 0, no cap, unless --max-num-partial-prefills > 1).
     long_prefill_token_threshold: int | None = None
     enforce_eager: bool = False  # ch05 on CUDA: no CUDA graphs
-    # The levers of `vllm serve` (ch06).
+    # The levers of `vllm serve` (ch08), and speculation (ch07).
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
     tensor_parallel_size: int = 1  # ranks, one process each
     speculative_config: SpeculativeConfig | None = None  # ch07: n-gram speculation

@@ -3,10 +3,12 @@
 `LLMEngine.step()` is one iteration, as in nano-vllm:
 
     batch   = scheduler.schedule()                  # who runs, how many tokens each
+    stats_collector.observe_scheduled(batch)        # admissions, prompt tokens
     sampled = model_runner.execute_model(batch)     # one forward pass, one sampling step
+    stats_collector.observe_sampled(batch, sampled) # ch07: drafts checked, accepted
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
-    outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
-    stats.observe_step(iteration_stats, outputs)    # figures, stat loggers, the log line
+    outputs = output_processor.process(seqs, stats_collector.new_iteration())
+    stats_collector.observe_step(iteration_stats, outputs)  # totals, loggers, log line
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the
 offline `LLM`) validate each one once with `check_request` before

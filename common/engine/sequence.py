@@ -23,14 +23,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common.layers.sampler import RequestSamplingState, SampledToken
 from common.outputs import FinishReason
 from common.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # ch07's module imports xgrammar: never at run time from here
-    from common.engine.structured_output import StructuredOutputGrammar
+
+class TokenConstraint(Protocol):
+    """What a sequence's grammar does with each token it appends (ch07:
+    common/engine/structured_output.py's `StructuredOutputGrammar`, which
+    needs xgrammar: this module never imports it)."""
+
+    def accept_token(self, token_id: int) -> bool: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -56,7 +61,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None  # what went wrong, when finish_reason is ERROR
     sampling: RequestSamplingState | None = None  # built by the engine (None: scheduler tests)
-    structured_output: StructuredOutputGrammar | None = None  # ch07: its grammar, if any
+    structured_output: TokenConstraint | None = None  # ch07: its grammar, if any
     arrival_time: float = field(default_factory=time.monotonic)  # or the async front's
     first_scheduled_time: float | None = None  # set by the engine at its first step
 

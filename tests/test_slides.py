@@ -16,6 +16,10 @@ wider than it are cut. The rules (DESIGN.md, "Slides"):
 - inline `code spans` start the line or follow a space (after "(" mdp
   shows the backticks literally), and hold no `*` (mdp reads it as the
   start of red text even there; put such code in a fenced block).
+
+And one component per chapter (the issue's page rules): no slide appears,
+whitespace aside, in two decks; no deck holds more than 30 slides, no
+chapter README more than 450 lines, the repository's README more than 200.
 """
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ says which tokens are allowed as a *bitmask*, 32 tokens per int32 word:
 
 Row i of the bitmask belongs to row i of the logits (one row per
 constrained sequence, or with speculative decoding one per position
-checked). The model runner calls `apply_token_bitmask(logits, bitmask)`
-on the rows of the step's constrained sequences (`apply_grammar_masks`
-in common/engine/model_runner.py), then samples as usual.
+checked). The engine's grammar step calls `apply_token_bitmask(logits,
+bitmask)` on the rows of the step's constrained sequences
+(`StructuredOutputManager.apply` in common/engine/structured_output.py,
+a logits processor of the model runner), then samples as usual.
 
 Graded by `make exercise CH=07a` (the 7 tests marked `ex07a` in
 tests/test_structured_outputs.py, which call your function: against

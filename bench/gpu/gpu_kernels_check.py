@@ -11,7 +11,7 @@ common/layers/triton_kernels.py and from common/layers/attention.py. Both are he
 float32 run of the reference on the same numbers; then both are timed with
 CUDA events and the table shows the reference's time over Triton's.
 A short float32 pass checks the exact (non-TF32) path too. Then the same
-for the quantized matmuls of chapter 06 (`--quantization int8 | int4`,
+for the quantized matmuls of chapter 08 (`--quantization int8 | int4`,
 common/layers/quant_kernels.py against the dequantize-then-matmul reference),
 at one row (a decode step) and 64 rows, errors relative to the largest output.
 

@@ -51,6 +51,7 @@ import pytest
 
 from bench.pages.figures import FENCE, ROOT
 from bench.pages.figures import pages as learner_pages
+from common.entrypoints.chapters import later_flags
 
 pytestmark = pytest.mark.slides
 
@@ -89,7 +90,7 @@ EXTERNAL = {
     "bytes_per_element", "m_new",
 }
 # Flags quoted on purpose that no course script defines: other tools' flags quoted
-# on their own, and the real `vllm serve`'s that chapter 06's server lacks.
+# on their own, and the real `vllm serve`'s that chapter 08's server lacks.
 EXTERNAL_FLAGS: set[str] = {
     # vLLM's engine arguments (docs.vllm.ai, "Engine Arguments"), quoted in chapter 05
     "--max-num-partial-prefills",
@@ -277,6 +278,16 @@ def script_flags(path: Path) -> frozenset[str]:
     return frozenset(flags | {"--help"} if flags else flags)
 
 
+def chapter_flags(script: Path) -> frozenset[str]:
+    """A script's flags; for a chapter's server.py, without the flags of
+    later chapters (its parser knows them, to refuse them by name)."""
+    flags = script_flags(script)
+    chapter = script.parent.name[:2]
+    if script.name == "server.py" and chapter.isdigit():
+        flags -= set(later_flags(chapter))
+    return flags
+
+
 @lru_cache(maxsize=None)
 def pytest_flags() -> frozenset[str]:
     """The options tests/conftest.py adds to pytest's own."""
@@ -294,7 +305,7 @@ def _server(chapter: str) -> Path | None:
 @lru_cache(maxsize=None)
 def every_script_flag() -> frozenset[str]:
     """What a `--flag` quoted on its own may be: any course script's."""
-    scripts = [*ROOT.glob("0*/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py")]
+    scripts = [*ROOT.glob("0*/*.py"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("tests/*.py")]
     return frozenset().union(pytest_flags(), *(script_flags(p) for p in scripts))
 
 
@@ -385,16 +396,16 @@ def problems_of_commands(path: Path, label: str | None = None) -> list[str]:
                         found.append(f"{where}: make target {word} is not in the Makefile")
                 continue
             if kind == "script":
-                accepted, owner = set(script_flags(script)), str(script.relative_to(ROOT))
+                accepted, owner = set(chapter_flags(script)), str(script.relative_to(ROOT))
                 if "--chapter" in accepted and "parse_known_args" in script.read_text():
                     chapter = next((b for a, b in zip(after, after[1:]) if a == "--chapter"), "")
                     if (server := _server(chapter)) is not None:  # passed on to its server
-                        accepted |= script_flags(server)
+                        accepted |= chapter_flags(server)
             elif kind == "pytest":
                 accepted, owner = set(pytest_flags()) | EXTERNAL_FLAGS, "pytest"
             elif kind == "vllm":
-                accepted = set(script_flags(_server("06"))) | EXTERNAL_FLAGS
-                owner = "vllm serve (chapter 06's server)"
+                accepted = set(chapter_flags(_server("08"))) | EXTERNAL_FLAGS
+                owner = "vllm serve (chapter 08's server)"
             elif kind == "external":
                 continue
             else:  # no command: prose, a server's output, a list of flags
@@ -549,7 +560,7 @@ def test_the_lint_catches_a_stale_flag(tmp_path: Path) -> None:
         "--max-num-seq is not a flag of 05-continuous-batching/server.py",
         "--max-waiting is not a flag of 02-minimal-pytorch-inference/server.py",
         "--prefix-caching is not a flag of bench/loadtest.py",
-        "--swap-space is not a flag of vllm serve (chapter 06's server)",
+        "--swap-space is not a flag of vllm serve (chapter 08's server)",
         "--max-waitng is no course script's flag (EXTERNAL_FLAGS?)",
         "--peer is not a flag of bench/bench.py",
         "--exercice is not a flag of pytest",

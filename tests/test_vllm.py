@@ -1,9 +1,12 @@
-"""Differential tests: chapter 06 against the real vLLM, both in float32,
-greedy (`make vllm-check`; bench/peers/vllm_diff.py does the comparing).
+"""Differential tests (chapter 08): the course's `vllm serve` against the
+real vLLM, both in float32, greedy (`make vllm-check`;
+bench/peers/vllm_diff.py does the comparing).
 
 They need the real vLLM (`make vllm`, its own venv) and skip with that
-reason without it. One vLLM server and one chapter 06 server serve the
-whole module; every request goes to both.
+reason without it. One vLLM server and one chapter 08 server (chapter 06's
+API, chapter 07's grammars, on chapter 05's engine) serve the whole
+module; every request goes to both. The results keep the label "ch06"
+for the course's side: the API and the engine compared are chapter 06's.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Does each exercise's grader discriminate? (`make exercises-check`, CI.)
 
-For every exercise (01..06, and chapter 06's 07a and 07b: EXERCISES in
+For every exercise (01..06, chapter 07's 07a and 07b, and 08: EXERCISES in
 tests/components.py), the grading tests (`-m exNN`) run on the untouched
 stubs of `NN-*/exercises/` (`--exercise NN`), where every one must fail,
 and fail because of the stub (NotImplementedError), not because of a

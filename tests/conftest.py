@@ -92,7 +92,7 @@ def wait_for(condition, what: str, timeout: float = 120.0) -> None:
 # ------------------------------------------------------------- exercises
 def pytest_addoption(parser):
     parser.addoption("--exercise", metavar="CH", default=None,
-                     help="grade the learner's component of exercise CH (01..06, 07a, 07b: "
+                     help="grade the learner's component of exercise CH (01..06, 07a, 07b, 08: "
                           "tests/components.py's EXERCISES, from NN-*/exercises/) instead "
                           "of the reference (make exercise CH=04)")
 

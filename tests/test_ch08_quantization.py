@@ -158,15 +158,17 @@ def test_int8_linear_is_the_linear_layer_of_the_dequantized_weight(impl, shape, 
 
 
 def test_int8_linear_keeps_the_activations_dtype(impl):
-    """bfloat16 activations in, bfloat16 out, within bfloat16's precision."""
-    qweight, scales = quant.quantize_int8(tricky_weight(32, 64, seed=5))
+    """bfloat16 activations in, bfloat16 out, within bfloat16's precision
+    (3 significant digits: the tolerance is 2 % of the largest output)."""
     gen = torch.Generator().manual_seed(5)
+    qweight, scales = quant.quantize_int8(torch.randn(32, 64, generator=gen) * 0.05)
     x = torch.randn(4, 64, generator=gen).bfloat16()
-    bias = torch.randn(32, generator=gen).bfloat16()
+    bias = (torch.randn(32, generator=gen) * 0.1).bfloat16()
     out = impl.int8_linear(x, qweight, scales, bias)
     assert out.dtype == torch.bfloat16, f"bfloat16 activations in, bfloat16 out: got {out.dtype}"
     expected = F.linear(x.float(), quant.dequantize_int8(qweight, scales), bias.float())
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2,
+                               atol=2e-2 * expected.abs().max().item())
 
 
 def dequantize_then_linear(x: torch.Tensor, layer: quant.QuantLinear) -> torch.Tensor:

@@ -569,6 +569,21 @@ def machine(with_vllm: bool = False) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def measurement_machine() -> dict:
+    """`machine()` with the date and the load average at the start: the
+    record the exercises' measure scripts begin with."""
+    return {**machine(), "date": datetime.date.today().isoformat(),
+            "load_average_at_start": list(os.getloadavg())}
+
+
+def write_measurement(path: Path, record: dict) -> None:
+    """An exercise's measurement: the load average at the end goes into
+    `record["machine"]`, then the record is written as JSON."""
+    record["machine"]["load_average_at_end"] = list(os.getloadavg())
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def bf16_words(m: dict) -> str:
     flags = m.get("cpu_bf16")
     if flags is None:  # a results file from before the field

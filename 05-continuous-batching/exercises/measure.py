@@ -45,15 +45,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import machine as bench_machine  # noqa: E402
+from bench.bench import measurement_machine, write_measurement  # noqa: E402
 from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
-
-
-def machine() -> dict:
-    """The bench's record of the machine (CPU model, cores, bf16 support,
-    versions), with the date and the load average at the start."""
-    return {**bench_machine(), "date": datetime.date.today().isoformat(),
-            "load_average_at_start": list(os.getloadavg())}
 
 
 def loadtest(args: list[str], port: int) -> dict:
@@ -152,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(1, args.repeats + 1):  # the two budgets in turn, so both see the same noise
         runs[f"budget_32_run{i}"] = [*load32, "--max-num-batched-tokens", "32"]
         runs[f"budget_512_run{i}"] = [*load32]
-    record = {"machine": machine(), "runs": {}}
+    record = {"machine": measurement_machine(), "runs": {}}
     for name, run_args in runs.items():
         print(f"--- {name}", file=sys.stderr, flush=True)
         record["runs"][name] = loadtest(run_args, args.port)
@@ -176,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                      for prefix in (True, False) for budget in (512, 32)],
         }
         print(json.dumps(record["in_process_steps"], indent=1), file=sys.stderr)
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_measurement(args.out, record)
     print(f"wrote {args.out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

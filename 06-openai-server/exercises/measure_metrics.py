@@ -38,18 +38,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import machine as bench_machine  # noqa: E402
+from bench.bench import measurement_machine, write_measurement  # noqa: E402
 from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
                      r"time_to_first_token_seconds_count)\{")
-
-
-def machine() -> dict:
-    """The bench's record of the machine (CPU model, cores, bf16 support,
-    versions), with the date and the load average at the start."""
-    return {**bench_machine(), "date": datetime.date.today().isoformat(),
-            "load_average_at_start": list(os.getloadavg())}
 
 
 def wait_up(base: str, server: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         stem += "-no-prefix-caching"
     load_cmd = ["-m", "bench.loadtest", "--url", base, "--clients", "16",
                 "--max-tokens", "64", "--stream"]
-    info = machine()
+    info = measurement_machine()
     log_path = Path(f"/tmp/measure-metrics-ch06-{args.port}.log")
     out = []
     with open(log_path, "w") as log:
@@ -152,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(06-openai-server/exercises/measure_metrics.py)",
               "commands": commands, "machine": info, "kv_cache_line": kv_line,
               "load_test_output": load_output.splitlines()[-12:], "summary": summary}
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    (results / f"{stem}-load.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_measurement(results / f"{stem}-load.json", record)
     print("\n".join(out[-8:] + tail[-5:]))
     print(f"wrote results/{stem}-metrics.txt and -load.json")
     return 0

@@ -43,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.bench import machine as bench_machine  # noqa: E402
+from bench.bench import measurement_machine, write_measurement  # noqa: E402
 from common.layers import quantization as quant  # noqa: E402
 
 COMMAND = "python 08-levers-and-the-real-vllm/exercises/measure.py"
@@ -51,11 +51,9 @@ MiB = 2**20
 
 
 def machine() -> dict:
-    """The bench's record of the machine, with the date, the threads and
-    the load average at the start."""
-    return {**bench_machine(), "date": datetime.date.today().isoformat(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": list(os.getloadavg())}
+    """The bench's record of the machine, with the date, the load average
+    at the start and the threads."""
+    return {**measurement_machine(), "torch_threads": torch.get_num_threads()}
 
 
 def fresh(loaded):
@@ -262,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {name}", file=sys.stderr, flush=True)
         record[name] = step(loaded)
         print(json.dumps(record[name], indent=1)[:3000], file=sys.stderr, flush=True)
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_measurement(args.out, record)
     print(f"wrote {args.out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

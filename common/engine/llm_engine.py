@@ -7,7 +7,8 @@
     sampled = model_runner.execute_model(batch)     # one forward pass, one sampling step
     stats_collector.observe_sampled(batch, sampled) # ch07: drafts checked, accepted
     seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
-    outputs = output_processor.process(seqs, stats_collector.new_iteration())
+    iteration_stats = stats_collector.new_iteration()  # every new token's time
+    outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
     stats_collector.observe_step(iteration_stats, outputs)  # totals, loggers, log line
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the

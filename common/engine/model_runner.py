@@ -28,10 +28,9 @@ of prefill steps, CUDA graphs together with tensor parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
-from typing import Protocol
 
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_cache import KVCache

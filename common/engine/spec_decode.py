@@ -43,6 +43,7 @@ from common.engine.scheduler import ContinuousScheduler, ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.rejection_sampler import RejectionSampler
 from common.layers.sampler import SampledToken
+from common.outputs import FinishReason
 
 
 @dataclass
@@ -96,12 +97,13 @@ class SpeculativeScheduler(ContinuousScheduler):
         super().preempt(seq)
         self.drafts.pop(seq, None)  # proposed again once it decodes
 
-    def finish(self, seq, reason, error=None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         super().finish(seq, reason, error)
         self.drafts.pop(seq, None)
 
     # ------------------------------------------------------- after a step
-    def update_from_output(self, batch, sampled) -> list[Sequence]:
+    def update_from_output(self, batch: list[ScheduledSeq], sampled: SampledTokens
+                           ) -> list[Sequence]:
         updated = super().update_from_output(batch, sampled)
         self.propose_drafts()
         return updated

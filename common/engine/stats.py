@@ -223,6 +223,7 @@ class StatsCollector:
         self.stat_loggers: list = []  # ch06: add_stat_logger; each records every step
         self.log_interval_s = log_interval_s
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
+        self._step_prompt_tokens = 0  # observe_scheduled's count, for new_iteration
 
     # ------------------------------------------------------ fed by step()
     def observe_scheduled(self, batch) -> None:
@@ -246,7 +247,7 @@ class StatsCollector:
         ch07, each sequence that checked drafts (more than one logits row)."""
         for item in batch:
             tokens = sampled.get(item.seq)
-            if item.samples and item.num_logits_rows > 1 and isinstance(tokens, list):
+            if item.num_logits_rows > 1 and isinstance(tokens, list):
                 self.totals.observe_draft(item.num_logits_rows - 1, len(tokens) - 1)
 
     def new_iteration(self) -> IterationStats:

@@ -67,6 +67,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held during a step; close() waits for it
+        self._closed = False  # set by close(): the loop ends before its next step
         self.dead: BaseException | None = None
         self.died = threading.Event()
         # For num_waiting(); each counter has one writer thread.
@@ -133,9 +134,16 @@ class AsyncLLM:
         return self._left_waiting + max(0, arrivals - self._free_slots)
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel workers (ch08), between steps."""
+        """Stop the engine loop between steps, then the engine's
+        tensor-parallel workers (ch08). No step runs after it: a step still
+        inside torch while the interpreter exits aborts the process
+        ("terminate called without an active exception")."""
         with self._lock:
+            self._closed = True
             self.engine.close()
+        self._wakeup.set()  # an idle loop wakes, sees `_closed` and ends
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def add_stat_logger(self, logger) -> None:
         """ch06: `logger.record(iteration_stats)` after every step, called
@@ -190,7 +198,10 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: the server has stopped
+                pass
 
     def _drain_inbox(self) -> int:
         """Hand queued requests and aborts to the engine; returns the adds."""
@@ -216,6 +227,8 @@ class AsyncLLM:
                     self._wakeup.wait()
                     self._wakeup.clear()
                 with self._lock:
+                    if self._closed:
+                        return
                     added = self._drain_inbox()
                     outputs = self._step()
                     self._left_waiting = len(self.engine.scheduler.waiting)

@@ -182,8 +182,9 @@ def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLM | None = No
 
 
 def exit_code(engine: AsyncLLM | None) -> int:
-    """1 when the engine died (a supervisor should restart the server)."""
-    return 1 if engine is not None and not engine.alive else 0
+    """1 when the engine loop died (a supervisor should restart the server);
+    a loop stopped by `close()` is not a death."""
+    return 1 if engine is not None and engine.dead is not None else 0
 
 
 def serve(app: FastAPI, args: argparse.Namespace, engine: AsyncLLM | None = None) -> int:

@@ -48,7 +48,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -70,8 +70,13 @@ test: $(STAMP) ## run the test suite (offline, CPU)
 exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08): grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
 
-exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests (make test passes them on the reference)
+exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests and every named bug (tests/named_bugs.py) is caught
 	$(PY) -m tests.check_exercises
+
+MUTMUT_VERSION := 3.8.1
+mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08) SUITE=both|grading|engine: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
+	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install --quiet mutmut==$(MUTMUT_VERSION)
+	$(PY) -m tests.mutation $(CH) --suite $(or $(SUITE),both)
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM
 	-$(PY) -m bench.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype $(DTYPE)

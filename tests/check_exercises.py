@@ -1,29 +1,87 @@
 """Does each exercise's grader discriminate? (`make exercises-check`, CI.)
 
 For every exercise (01..06, chapter 07's 07a and 07b, and 08: EXERCISES in
-tests/components.py), the grading tests (`-m exNN`) run on the untouched
-stubs of `NN-*/exercises/` (`--exercise NN`), where every one must fail,
-and fail because of the stub (NotImplementedError), not because of a
-broken test. That the same tests pass on the reference is what `make test`
-shows (they are part of it, so CI does not run them twice);
-`--reference` checks it here too (what `make exercise CH=NN REFERENCE=1`
-runs, for every exercise).
+tests/components.py):
+
+- the grading tests (`-m exNN`) run on the untouched stubs of
+  `NN-*/exercises/` (`--exercise NN`), where every one must fail, and fail
+  because of the stub (NotImplementedError), not because of a broken test;
+- each of the exercise's named bugs (tests/named_bugs.py: the reference
+  with one mistake learners make) is graded as a learner's file
+  (`--exercise-file`): the grading tests must fail, not on a stub, and the
+  first failure must send the learner to the README hint the bug is about
+  (`Think about hint N`), not to the answer. These runs stop at the first
+  failure (`-x`; the tests that need no model run first) and do not shrink
+  hypothesis' examples (`HYPOTHESIS_PROFILE=fail-fast`).
+
+That the same tests pass on the reference is what `make test` shows (they
+are part of it, so CI does not run them twice); `--reference` checks it
+here too (what `make exercise CH=NN REFERENCE=1` runs, for every exercise).
 
     python -m tests.check_exercises                 # every exercise's stub
     python -m tests.check_exercises 04 07a          # some
     python -m tests.check_exercises --reference     # and the references
+    python -m tests.check_exercises --bugs-only 04  # only the named bugs
 """
 from __future__ import annotations
 
-import subprocess
+import os
+import re
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from tests.components import EXERCISES
+from tests.named_bugs import NamedBug, bugs_for
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def preload() -> None:
+    """Import once what every grading run imports (torch, transformers,
+    the engine): each run is then a child forked from this process, not a
+    fresh interpreter (about 10 s saved per run on 2 cores). Nothing here
+    runs a torch operation, so forking is safe."""
+    import hypothesis  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import bench.loadtest  # noqa: F401
+    import common.engine.llm_engine  # noqa: F401
+    import common.loader  # noqa: F401
+
+
+def pytest_in_fork(args: list[str]) -> str:
+    """`pytest args` in a forked child; returns what it printed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile(mode="w+") as out:
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 99
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                os.chdir(ROOT)
+                import pytest
+                code = int(pytest.main(args))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.waitpid(pid, 0)
+        out.seek(0)
+        return out.read()
+
+
+def grading_files(chapter: str) -> list[str]:
+    """The test files that hold exercise `chapter`'s grading tests: only
+    these are collected (collecting all of tests/ costs seconds a run)."""
+    mark = re.compile(rf"\bex{chapter}\b")
+    return [str(path.relative_to(ROOT)) for path in sorted((ROOT / "tests").glob("test_*.py"))
+            if mark.search(path.read_text())]
 
 
 def run_grading(chapter: str, stub: bool) -> list[ET.Element]:
@@ -32,10 +90,40 @@ def run_grading(chapter: str, stub: bool) -> list[ET.Element]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         exercise = ["--exercise", chapter] if stub else []
-        subprocess.run([sys.executable, "-m", "pytest", "-m", f"ex{chapter}", *exercise, "-q",
-                        "--no-header", "-p", "no:warnings", f"--junitxml={report}"],
-                       cwd=ROOT, capture_output=True, text=True)
+        pytest_in_fork(["-m", f"ex{chapter}", *exercise, "-q", "--no-header", "-p", "no:warnings",
+                        f"--junitxml={report}", *grading_files(chapter)])
         return list(ET.parse(report).getroot().iter("testcase"))
+
+
+def check_bug(bug: NamedBug) -> list[str]:
+    """Grade the reference with `bug` planted, as a learner's file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        planted = Path(tmp) / bug.reference.name
+        planted.write_text(bug.patched_source())
+        report = Path(tmp) / "report.xml"
+        printed = pytest_in_fork(
+            ["-m", f"ex{bug.exercise}", "--exercise", bug.exercise, f"--exercise-file={planted}",
+             "-x", "-q", "--no-header", "-p", "no:warnings", "--tb=line",
+             f"--junitxml={report}",
+             *([f"tests/{bug.caught_by}"] if bug.caught_by else grading_files(bug.exercise))])
+        cases = list(ET.parse(report).getroot().iter("testcase")) if report.exists() else []
+    failures = [(case, found) for case in cases for kind, found in [outcome(case)]
+                if kind in ("failure", "error")]
+    if not failures:
+        by = f" ({bug.caught_by})" if bug.caught_by else ""
+        return [f"named bug '{bug.name}' passes the grading tests{by}"]
+    case, found = failures[0]
+    text = found.get("message", "") + (found.text or "")
+    if "NotImplementedError" in text:
+        return [f"named bug '{bug.name}': {case.get('name')} fails on a stub, not on the bug"]
+    pointed = re.search(r"Think about hint (\d+)", printed)
+    if pointed is None:
+        return [f"named bug '{bug.name}': {case.get('name')} fails without pointing at a hint"]
+    if int(pointed.group(1)) != bug.hint:
+        return [f"named bug '{bug.name}': {case.get('name')} points at hint {pointed.group(1)}, "
+                f"the bug is about hint {bug.hint}"]
+    print(f"    caught: {bug.name} ({case.get('name')}, hint {bug.hint})", flush=True)
+    return []
 
 
 def outcome(case: ET.Element) -> tuple[str, ET.Element | None]:
@@ -70,16 +158,24 @@ def check(chapter: str, reference: bool) -> list[str]:
 
 def main(args: list[str]) -> int:
     reference = "--reference" in args
-    chapters = [a for a in args if a != "--reference"] or list(EXERCISES)
+    bugs_only = "--bugs-only" in args
+    chapters = [a for a in args if not a.startswith("--")] or list(EXERCISES)
     unknown = [c for c in chapters if c not in EXERCISES]
     if unknown:
         print(f"no such exercise: {', '.join(unknown)} (there are {', '.join(EXERCISES)})")
         return 2
+    os.environ["HYPOTHESIS_PROFILE"] = "fail-fast"  # no shrinking: the first failure will do
+    preload()
     failed = False
     for chapter in chapters:
-        problems = check(chapter, reference)
-        verdict = ("the stub fails every grading test" + (", the reference passes them"
-                                                          if reference else ""))
+        problems = [] if bugs_only else check(chapter, reference)
+        bugs = bugs_for(chapter)
+        for bug in bugs:
+            problems += check_bug(bug)
+        verdict = ", ".join(
+            ([] if bugs_only else ["the stub fails every grading test"])
+            + (["the reference passes them"] if reference and not bugs_only else [])
+            + [f"{len(bugs)} named bugs are caught"])
         print(f"exercise {chapter}: " + (verdict if not problems
                                          else f"{len(problems)} problem(s)"), flush=True)
         for problem in problems:

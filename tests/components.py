@@ -12,6 +12,7 @@ with what they are given.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -107,14 +108,57 @@ def int8_quant_ops(quantize_int8, int8_linear) -> SimpleNamespace:
     return SimpleNamespace(name="exercise 08 (int8: yours)", quantize=quantize, linear=linear)
 
 
+@dataclass(frozen=True)
+class Hint:
+    number: int
+    title: str
+    readme: str  # relative to the repository
+
+
+def readme_path(chapter: str) -> Path:
+    """The exercise's README: 07b's is README-07b.md beside 07a's."""
+    folder = ROOT / EXERCISES[chapter].folder / "exercises"
+    own = folder / f"README-{chapter}.md"
+    return own if own.exists() else folder / "README.md"
+
+
+def hint_for(chapter: str, test_name: str) -> Hint | None:
+    """The hint a learner failing `test_name` should read first: the
+    `hint` column of the README's grading table, then that hint's heading
+    (`### N. title`). None if the README does not say."""
+    readme = readme_path(chapter)
+    lines = readme.read_text().splitlines()
+    number = None
+    column = None
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|"):
+            column = None
+            continue
+        if "hint" in cells:
+            column = cells.index("hint")
+        elif column is not None and re.search(rf"\b{re.escape(test_name)}\b", cells[0]):
+            found = re.search(r"\d+", cells[column]) if column < len(cells) else None
+            number = int(found.group()) if found else None
+            break
+    if number is None:
+        return None
+    for line in lines:
+        heading = re.match(rf"###\s+{number}\.\s+(.*)", line)
+        if heading:
+            return Hint(number, heading.group(1).strip(), str(readme.relative_to(ROOT)))
+    return None
+
+
 def exercise_path(chapter: str) -> Path:
     ex = EXERCISES[chapter]
     return ROOT / ex.folder / "exercises" / ex.file
 
 
-def load_exercise(chapter: str) -> ModuleType:
-    """Import a chapter's exercise file as a module of its own."""
-    path = exercise_path(chapter)
+def load_exercise(chapter: str, path: Path | None = None) -> ModuleType:
+    """Import a chapter's exercise file (or `path`, a file that stands in
+    for it: a named bug, tests/named_bugs.py) as a module of its own."""
+    path = path or exercise_path(chapter)
     name = f"exercise_{chapter}_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -123,11 +167,12 @@ def load_exercise(chapter: str) -> ModuleType:
     return module
 
 
-def components_for(chapter: str | None) -> Components:
-    """The reference components, with one chapter's replaced by the learner's."""
+def components_for(chapter: str | None, path: Path | None = None) -> Components:
+    """The reference components, with one chapter's replaced by the learner's
+    (from `path` instead of the exercise file, if given)."""
     if chapter is None:
         return Components()
-    module = load_exercise(chapter)
+    module = load_exercise(chapter, path)
     learner = {name: getattr(module, name) for name in EXERCISES[chapter].names}
     if chapter == "03":
         return replace(Components(), exercise=chapter,

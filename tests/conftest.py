@@ -19,8 +19,18 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hypothesis import Phase, settings  # noqa: E402
+
 from bench.loadtest import ChapterServer, free_port  # noqa: E402
 from common.loader import load_model  # noqa: E402
+
+# Property tests (tests/test_*_invariants.py) stop at the first failing
+# example instead of shrinking it (shrinking can take minutes on 2 cores);
+# the invariant's message says what broke. `HYPOTHESIS_PROFILE=shrink`
+# asks for the smallest example.
+settings.register_profile("fail-fast", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.register_profile("shrink")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fail-fast"))
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -95,6 +105,9 @@ def pytest_addoption(parser):
                      help="grade the learner's component of exercise CH (01..06, 07a, 07b, 08: "
                           "tests/components.py's EXERCISES, from NN-*/exercises/) instead "
                           "of the reference (make exercise CH=04)")
+    parser.addoption("--exercise-file", metavar="PATH", default=None, type=Path,
+                     help="with --exercise: grade this file instead of the chapter's "
+                          "exercise file (make exercises-check plants named bugs this way)")
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +115,8 @@ def impl(request):
     """The components under test: the reference, or (`--exercise CH`) the
     learner's for that chapter (tests/components.py)."""
     from tests.components import components_for
-    return components_for(request.config.getoption("--exercise"))
+    return components_for(request.config.getoption("--exercise"),
+                          request.config.getoption("exercise_file"))
 
 
 def pytest_configure(config):
@@ -116,16 +130,27 @@ def pytest_configure(config):
             raise pytest.UsageError(f"{exercise_path(chapter)} is missing")
 
 
+MODEL_FIXTURES = {"embedded", "tiny_llama", "start_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """In exercise mode the tests that need no model run first: a learner
+    sees the quick, pointed failures before the end-to-end ones."""
+    if config.getoption("--exercise") is not None:
+        items.sort(key=lambda item: bool(MODEL_FIXTURES & set(item.fixturenames)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """In exercise mode, say what to do next under each failed test."""
+    """In exercise mode, say what to do next under each failed test: which
+    of the exercise README's hints to read (tests/components.py's
+    `hint_for`), never the answer."""
     outcome = yield
     report = outcome.get_result()
     chapter = item.config.getoption("--exercise")
     if chapter is None or not report.failed or call.excinfo is None:
         return
-    from tests.components import EXERCISES, exercise_path
-    ex = EXERCISES[chapter]
+    from tests.components import exercise_path, hint_for
     where = exercise_path(chapter).relative_to(ROOT)
     doc = (item.obj.__doc__ or item.name.replace("_", " ")).strip()
     what = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
@@ -134,9 +159,18 @@ def pytest_runtest_makereport(item, call):
         advice = (f"`{frame.name}` in {where} is still a stub (NotImplementedError). "
                   f"Write it, then run `make exercise CH={chapter}` again.")
     else:
+        hint = hint_for(chapter, item.originalname or item.name)
+        think = (f"Think about hint {hint.number}, \"{hint.title}\", in {hint.readme}."
+                 if hint else f"Read the hints in {hint_readme(chapter)}.")
         advice = (f"Your code in {where} ran, but this test expects otherwise: read the "
-                  f"assertion above. Stuck? The reference is {ex.reference}.")
+                  f"assertion above. {think} Run `make exercise CH={chapter}` again once "
+                  "you have changed your code.")
     report.sections.append((f"exercise {chapter}", f"{item.name}: {what}\n{advice}"))
+
+
+def hint_readme(chapter: str) -> str:
+    from tests.components import readme_path
+    return str(readme_path(chapter).relative_to(ROOT))
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -6,12 +6,15 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import StaticScheduler
 from common.sampling_params import SamplingParams
 from tests.components import Components
+from tests.invariants import checked
 
 
 def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
                 structured_outputs=False, **config):
     """policy: "static" (ch03-04) or "continuous" (ch05). `impl`: the
-    components to build it with (tests/components.py; default: reference).
+    components to build it with (tests/components.py; default: reference);
+    its block manager checks its invariants after every change
+    (tests/invariants.py's `checked`).
     `structured_outputs`: chapter 07's grammar step (imports xgrammar).
     `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions)."""
     impl = impl or Components()
@@ -22,7 +25,7 @@ def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
         from common.engine.structured_output import StructuredOutputManager
         structured_output_cls = StructuredOutputManager
     return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
-                     num_blocks=num_blocks, block_manager_cls=impl.BlockManager,
+                     num_blocks=num_blocks, block_manager_cls=checked(impl.BlockManager),
                      attention_ops=impl.attention_ops,
                      structured_output_cls=structured_output_cls)
 

@@ -39,17 +39,6 @@ def test_bad_model_name_gives_a_clear_error():
 
 
 @pytest.mark.ex01
-@pytest.mark.parametrize("messages", PROMPTS)
-def test_greedy_loop_by_hand_equals_hf_generate(embedded, messages, impl):
-    """Greedy, the loop by hand gives exactly HF model.generate's tokens."""
-    ids = apply_chat_template(embedded.tokenizer, messages)
-    eos = eos_token_ids(embedded.model, embedded.tokenizer)
-    ours, reason = impl.generate_without_cache(embedded.model, ids, 40, 0.0, eos)
-    assert ours == hf_greedy(embedded.model, ids, 40)
-    assert reason == ("stop" if ours[-1] in eos else "length")
-
-
-@pytest.mark.ex01
 def test_the_loop_stops_at_max_new_tokens_or_eos(tiny_llama, impl):
     """max_new_tokens new tokens and "length", or up to the first EOS and "stop"."""
     model, prompt = tiny_llama.model, [1, 2, 3, 4]
@@ -58,6 +47,38 @@ def test_the_loop_stops_at_max_new_tokens_or_eos(tiny_llama, impl):
     first = ids[0]  # make the first greedy token an end-of-sequence token
     ids, reason = impl.generate_without_cache(model, prompt, 6, 0.0, {first})
     assert ids == [first] and reason == "stop"
+
+
+@pytest.mark.ex01
+def test_one_seeded_generator_draws_the_whole_answer(tiny_llama, impl):
+    """At temperature 1 with a seed, the loop gives the answer of one CPU
+    generator seeded once and handed to every step: a generator made anew
+    at each step draws the same random number every time, and no generator
+    at all does not replay."""
+    model, prompt, seed, n = tiny_llama.model, [1, 2, 3, 4], 5, 8
+    ids, reason = impl.generate_without_cache(model, prompt, n, 1.0, set(), seed=seed)
+    assert reason == "length"
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    expected, tokens = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+            expected.append(impl.sample_next_token(logits, 1.0, generator))
+            tokens.append(expected[-1])
+    assert ids == expected, (
+        "with a seed, the answer should be that of one generator seeded once before the "
+        f"loop and passed to every step: {ids} != {expected}")
+
+
+@pytest.mark.ex01
+@pytest.mark.parametrize("messages", PROMPTS)
+def test_greedy_loop_by_hand_equals_hf_generate(embedded, messages, impl):
+    """Greedy, the loop by hand gives exactly HF model.generate's tokens."""
+    ids = apply_chat_template(embedded.tokenizer, messages)
+    eos = eos_token_ids(embedded.model, embedded.tokenizer)
+    ours, reason = impl.generate_without_cache(embedded.model, ids, 40, 0.0, eos)
+    assert ours == hf_greedy(embedded.model, ids, 40)
+    assert reason == ("stop" if ours[-1] in eos else "length")
 
 
 @pytest.mark.ex01

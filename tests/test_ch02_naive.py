@@ -9,7 +9,7 @@ import threading
 import pytest
 import requests
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from bench.loadtest import format_table, send_one, summarize
 from common.memory import Card, MiB
@@ -45,6 +45,50 @@ def test_kv_bytes_per_token_of_the_embedded_model(embedded, impl):
 
 
 @pytest.mark.ex02
+def test_only_the_kv_heads_are_cached(impl):
+    """With grouped-query attention the cache holds the KV heads, not the
+    query heads: 9 query heads sharing 3 KV heads cache 3; a config whose
+    KV heads are its query heads caches all of them."""
+    gqa = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3)
+    mha = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=9)
+    assert impl.kv_cache_shape(gqa)[1] == 3, (
+        "9 query heads share 3 KV heads: the cache holds 3 heads per layer")
+    assert impl.kv_cache_shape(mha)[1] == 9
+
+
+@pytest.mark.ex02
+def test_head_dim_is_stated_or_hidden_size_over_query_heads(impl):
+    """Without a stated head_dim (Qwen2's config has none), head_dim =
+    hidden size / query heads (not KV heads), an int; a config that states
+    head_dim wins over the division."""
+    gqa = Qwen2Config(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3)
+    explicit = LlamaConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+                           num_key_value_heads=8, head_dim=128)
+    head_dim = impl.kv_cache_shape(gqa)[2]
+    assert head_dim == 64, f"head_dim {head_dim}: 576 / 9 query heads = 64"
+    assert type(head_dim) is int, f"head_dim {head_dim!r}: an int (a tensor's size), not a float"
+    assert impl.kv_cache_shape(explicit)[2] == 128, "a stated head_dim wins (1024 / 16 = 64)"
+
+
+@pytest.mark.ex02
+def test_kv_bytes_count_k_and_v_in_every_layer_at_the_dtypes_size(impl):
+    """2 (K and V) x layers x KV heads x head_dim x bytes per element of
+    the cache's dtype, an int."""
+    config = LlamaConfig(hidden_size=256, num_hidden_layers=5, num_attention_heads=8,
+                         num_key_value_heads=2)  # head_dim 32
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2), (torch.float16, 2),
+                        (torch.float64, 8), (torch.int8, 1)):
+        got = impl.kv_bytes_per_token(config, dtype)
+        assert got == 2 * 5 * 2 * 32 * size, (
+            f"{dtype}: {got} bytes per token, expected 2 (K and V) x 5 layers x 2 KV heads "
+            f"x 32 dims x {size} bytes = {2 * 5 * 2 * 32 * size}")
+        assert type(got) is int
+
+
+@pytest.mark.ex02
 def test_kv_cache_shape_reads_every_config_naming(impl):
     """(layers, KV heads, head dim) from Llama names (with fewer KV heads:
     GQA), GPT-2 names, and a config that states its head_dim."""
@@ -68,6 +112,7 @@ def test_demo_card_holds_one_request_but_not_two(embedded, impl):
     card.charge_weights(embedded.model)
     one_request = impl.static_cache_bytes(embedded.model.config, torch.float32, 8192)
     assert one_request == 46080 * 8192  # 360 MiB, whatever the prompt's length
+    assert impl.static_cache_bytes(embedded.model.config, torch.float32, 1000) == 46080 * 1000
     assert card.free_bytes() > one_request
     assert card.free_bytes() < 2 * one_request
 

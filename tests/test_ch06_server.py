@@ -1002,8 +1002,70 @@ def test_the_engine_collector_reads_the_snapshot_at_scrape_time(impl):
     assert values['vllm:request_success_total{finished_reason="stop",model_name="m"}'] == 5
     assert values['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 2
     assert values["llm_course:engine_alive" + label] == 1
-    snapshot["running"] = 7  # read again at the next scrape, never cached
-    assert scrape(metrics)["vllm:num_requests_running" + label] == 7
+
+
+@pytest.mark.ex06
+def test_request_success_is_one_metric_with_a_sample_per_reason(impl):
+    """vllm:request_success is one counter (one # TYPE line, which
+    Prometheus requires) with a sample per finish reason the engine
+    counted, told apart by the label finished_reason."""
+    snapshot = dict(SNAPSHOT, finished={"stop": 5, "length": 2, "abort": 1})
+    metrics = Metrics(lambda: snapshot, "m", lambda: True, impl.EngineCollector,
+                      impl.LatencyStatLogger)
+    text = metrics.render()[0].decode()
+    types = [line for line in text.splitlines()
+             if line.startswith("# TYPE vllm:request_success")]
+    assert types == ["# TYPE vllm:request_success_total counter"], (
+        f"one counter family for every reason, not one per reason: {types}")
+    samples = sorted(line for line in text.splitlines()
+                     if line.startswith("vllm:request_success"))
+    assert samples == [
+        'vllm:request_success_total{finished_reason="abort",model_name="m"} 1.0',
+        'vllm:request_success_total{finished_reason="length",model_name="m"} 2.0',
+        'vllm:request_success_total{finished_reason="stop",model_name="m"} 5.0'], samples
+
+
+@pytest.mark.ex06
+def test_every_scrape_reads_the_engine_anew(impl):
+    """The collector keeps the functions it is given and calls them at
+    every scrape: the same snapshot scraped twice gives the same figures
+    (a counter is the engine's total, not what changed since the last
+    scrape); a changed snapshot shows at the next scrape; a dead engine
+    says 0 at once."""
+    snapshot = dict(SNAPSHOT)
+    alive = [True]
+    metrics = Metrics(lambda: dict(snapshot), "m", lambda: alive[0],  # a new dict each time,
+                      impl.EngineCollector, impl.LatencyStatLogger)  # as engine.snapshot()
+    label = '{model_name="m"}'
+    first = scrape(metrics)
+    again = scrape(metrics)
+    changed = sorted(name for name in first if again.get(name) != first[name])
+    assert not changed, f"scraped twice, the same snapshot gave other figures: {changed}"
+    snapshot.update(running=7, kv_cache_usage_perc=50.0, generation_tokens=80,
+                    finished={"stop": 6, "length": 2})
+    alive[0] = False
+    values = scrape(metrics)
+    assert values["vllm:num_requests_running" + label] == 7, "read snapshot() at each scrape"
+    assert values["vllm:kv_cache_usage_perc" + label] == 0.5
+    assert values["vllm:generation_tokens_total" + label] == 80
+    assert values['vllm:request_success_total{finished_reason="stop",model_name="m"}'] == 6
+    assert values["llm_course:engine_alive" + label] == 0, "read alive() at each scrape"
+
+
+def test_every_help_line_reads_as_a_sentence():
+    """`curl /metrics` and Prometheus' metadata show each metric's # HELP:
+    a sentence, from a capital (or a figure) to a full stop, in lower case
+    but for acronyms (no word of three capitals or more)."""
+    import re
+    snapshot = dict(SNAPSHOT, iteration_tokens={"bounds": [1, 2], "counts": [1, 0, 0],
+                                                "sum": 1.0})
+    text = Metrics(lambda: snapshot, "m", cache_config={"block_size": 16}).render()[0].decode()
+    helps = [line.split(" ", 3)[3] for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) > 30
+    for doc in helps:
+        assert re.fullmatch(r"[A-Z0-9].*\.", doc), f"# HELP {doc!r}: a sentence, capital to stop"
+        shouting = re.findall(r"\b[A-Z]{3,}\b", doc)
+        assert not shouting and "XX" not in doc, f"# HELP {doc!r}: {shouting}"
 
 
 def finished_request(request_id: str, e2e: float, queued: float,
@@ -1031,14 +1093,20 @@ def three_steps() -> list[IterationStats]:
 @pytest.mark.ex06
 def test_the_latency_stat_logger_observes_ttft_itl_e2e_and_queue_time(impl):
     """Three engine steps' IterationStats: 2 TTFTs, 3 inter-token gaps, and
-    for the 2 finished requests their e2e latency and queue time; a step
-    where nothing happened observes nothing."""
+    for the 2 finished requests their e2e latency and queue time, in
+    seconds, each observed at the step that measured it (the TTFTs after
+    the first step); a step where nothing happened observes nothing."""
     metrics = Metrics(lambda: SNAPSHOT, "m", lambda: True, impl.EngineCollector,
                       impl.LatencyStatLogger)
-    for step in [*three_steps(), IterationStats(10.75)]:
-        metrics.record(step)  # as the engine calls it after each step
-    values = scrape(metrics)
+    steps = [*three_steps(), IterationStats(10.75)]
     label = '{model_name="m"}'
+    metrics.record(steps[0])  # as the engine calls it after each step
+    values = scrape(metrics)  # the first tokens are observed at the step that made them
+    assert values[f"vllm:time_to_first_token_seconds_count{label}"] == 2
+    assert values[f"vllm:e2e_request_latency_seconds_count{label}"] == 0
+    for step in steps[1:]:
+        metrics.record(step)
+    values = scrape(metrics)
 
     def histogram(name: str) -> tuple[float, float]:
         return values[f"vllm:{name}_count{label}"], values[f"vllm:{name}_sum{label}"]

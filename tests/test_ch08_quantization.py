@@ -46,8 +46,10 @@ def tricky_weight(num_out: int = 48, num_in: int = 80, seed: int = 0) -> torch.T
     return w
 
 
-def check_quantized(weight: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-    """The contract of quantize_int8, on any weight."""
+def check_quantized(weight: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    rounding: bool = True) -> None:
+    """The contract of quantize_int8, on any weight (`rounding`: every
+    weight within half a step too)."""
     num_out, num_in = weight.shape
     assert isinstance(qweight, torch.Tensor) and qweight.dtype == torch.int8, (
         f"qweight must be torch.int8 (1 byte a weight), got {getattr(qweight, 'dtype', qweight)}")
@@ -64,6 +66,8 @@ def check_quantized(weight: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     nonzero = absmax > 0
     torch.testing.assert_close(scales[nonzero], absmax[nonzero] / 127, rtol=1e-5, atol=0,
                                msg=lambda m: "scales[n] must be row n's largest |w| / 127\n" + m)
+    if not rounding:
+        return
     error = (qweight.float() * scales[:, None] - w).abs()
     worst = (error / scales[:, None]).max().item()
     assert worst <= HALF_STEP, f"a weight is {worst:.2f} of its row's scale from its q * scale: " \
@@ -71,12 +75,21 @@ def check_quantized(weight: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 
 
 def test_quantize_int8_keeps_int8_and_one_float32_scale_per_row(impl):
-    """The shapes and dtypes: qweight (N, K) int8, scales (N,) float32; the weight untouched."""
+    """The shapes and dtypes: qweight (N, K) int8 in [-127, 127], scales
+    (N,) float32, each row's largest |w| / 127; the weight untouched. (How
+    each weight is rounded: the next test.)"""
     weight = tricky_weight(48, 80)
     before = weight.clone()
     qweight, scales = impl.quantize_int8(weight)
     assert torch.equal(weight, before), "quantize_int8 must not change the weight"
-    check_quantized(weight, qweight, scales)
+    check_quantized(weight, qweight, scales, rounding=False)
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (96, 64), (7, 7)], ids=["48x80", "96x64", "7x7"])
+def test_every_weight_is_within_half_a_step(impl, shape):
+    """Round to nearest: |q * scale - w| <= scale / 2, q in [-127, 127]."""
+    weight = tricky_weight(*shape, seed=sum(shape))
+    check_quantized(weight, *impl.quantize_int8(weight))
 
 
 def test_each_row_gets_its_own_scale_from_its_largest_absolute_weight(impl):
@@ -94,13 +107,6 @@ def test_each_row_gets_its_own_scale_from_its_largest_absolute_weight(impl):
         f"rows {(got != expected).nonzero().flatten().tolist()} are not"
     small = scales.argmin()  # the smallest row still uses the whole range
     assert int(qweight[small].abs().max()) == 127
-
-
-@pytest.mark.parametrize("shape", [(48, 80), (96, 64), (7, 7)], ids=["48x80", "96x64", "7x7"])
-def test_every_weight_is_within_half_a_step(impl, shape):
-    """Round to nearest: |q * scale - w| <= scale / 2, q in [-127, 127]."""
-    weight = tricky_weight(*shape, seed=sum(shape))
-    check_quantized(weight, *impl.quantize_int8(weight))
 
 
 def test_the_embedded_models_weights(impl, embedded):

@@ -100,12 +100,14 @@ def test_admission_waits_for_free_blocks(make):
 def test_preemption_takes_the_newest_and_requeues_it_first(make):
     sched = make(num_blocks=4, block_size=4)
     a, b = seq("a", 4, max_tokens=20), seq("b", 4, max_tokens=20)
-    sched.add(a)
-    sched.add(b)
+    c = seq("c", 13, max_tokens=2)  # 4 blocks: waits while a and b run
+    for s in (a, b, c):
+        sched.add(s)
     steps = steps_until(sched, lambda: sched.num_preemptions > 0)
     # 2 blocks each fill up at 8 tokens; the 9th needs a third: none is free.
     assert steps == 6 and sched.num_preemptions == 1
-    assert b.status is SequenceStatus.WAITING and sched.waiting[0] is b
+    assert b.status is SequenceStatus.WAITING
+    assert list(sched.waiting) == [b, c]  # back at the front: b came before c
     assert b.num_computed_tokens == 0 and b.block_table == []
     assert a.status is SequenceStatus.RUNNING and len(a.block_table) == 3
     assert b.num_preemptions == 1 and b.num_output_tokens == 5  # its outputs are kept

@@ -56,6 +56,57 @@ TOY = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]])  # (k + 1, 
 
 
 @pytest.mark.ex07b
+def test_each_draft_is_accepted_with_its_probability(impl):
+    """Accept a draft with the probability p(d) the model gives it: one
+    uniform draw per draft, accepted when below p(d); not when d is the
+    most likely token, not always. Two drafts, 20,000 trials: the first
+    is accepted (then at least one more token follows) 4 times in 10."""
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.3, 0.4, 0.2, 0.1], [0.25] * 4])
+    gen, trials = torch.Generator().manual_seed(3), 20_000
+    accepted = sum(len(impl.rejection_sample(probs, [1, 2], gen)) >= 2 for _ in range(trials))
+    p = torch.tensor([0.4])
+    assert close_to(torch.tensor([accepted / trials]), p, trials), (
+        f"draft 1 (p = 0.4) accepted in {accepted / trials:.3f} of the trials, not 0.4")
+    never = torch.tensor([[0.0, 0.5, 0.5], [1 / 3] * 3])
+    assert all(impl.rejection_sample(never, [0], gen)[0] != 0 for _ in range(200)), (
+        "a draft the model gives probability 0 must never be accepted")
+
+
+@pytest.mark.ex07b
+def test_each_draft_is_judged_by_the_row_before_it(impl):
+    """Row 0 judges draft 0, row j draft j, the last row is for the bonus.
+    Rows of 0s and 1s, so nothing is left to chance: row 0 is sure of
+    draft 1, row 1 gives draft 2 probability 0 and 0 is its only other
+    token."""
+    one_hot = torch.nn.functional.one_hot
+    rows = torch.stack([one_hot(torch.tensor(1), 4), one_hot(torch.tensor(0), 4),
+                        one_hot(torch.tensor(3), 4)]).float()  # (k + 1, vocab)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        got = impl.rejection_sample(rows, [1, 2], gen)
+        assert got == [1, 0], f"{got}: row 0 accepts draft 1, row 1 rejects draft 2 and " \
+            "replaces it by 0, then stop"
+
+
+@pytest.mark.ex07b
+def test_every_draw_comes_from_the_generator_and_ids_are_ints(impl):
+    """A seeded generator replays: the same seed gives the same tokens on
+    a rejection (the replacement too) and on an acceptance (the bonus
+    too), and every id is a Python int."""
+    noise = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(5)), -1)
+    sure = torch.nn.functional.one_hot(torch.tensor([7, 8]), 50).float()
+    probs = torch.cat([0.2 * noise[:2] + 0.8 * sure, noise[2:]])  # drafts 7, 8 likely: both
+    # accepted about 2 times in 3, then a bonus from a spread-out last row
+    for seed in range(20):
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(len(runs))  # torch's global generator must not matter
+            runs.append(impl.rejection_sample(probs, [7, 8], torch.Generator().manual_seed(seed)))
+        assert runs[0] == runs[1], f"seed {seed}: {runs[0]} then {runs[1]}"
+        assert all(type(t) is int for t in runs[0]), f"ids {runs[0]!r}: Python ints"
+
+
+@pytest.mark.ex07b
 def test_the_first_token_keeps_the_target_distribution(impl):
     """20,000 trials: the first token emitted is distributed as p, whatever
     the draft; the same check catches the rule without its residual."""

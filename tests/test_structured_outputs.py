@@ -65,6 +65,60 @@ def engine(embedded):
 
 # --------------------------------------------------- exercise 07a: the mask
 @pytest.mark.ex07a
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_disallowed_token_gets_minus_inf_in_place(impl, dtype):
+    """The logits themselves are changed (the function returns None): a
+    token whose bit is 0 gets -inf, not 0 or a large negative number (a
+    penalty that a large logit would still beat); every other logit keeps
+    its value exactly. Row 0 allows nothing (words of 0), row 1 all (-1)."""
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(dtype) * 30
+    bitmask = torch.tensor([[0, 0], [-1, -1], [0, -1], [-1, 0]], dtype=torch.int32)
+    before = logits.clone()
+    assert impl.apply_token_bitmask(logits, bitmask) is None, "mask in place, return nothing"
+    assert torch.isneginf(logits[0]).all(), (
+        f"a row whose words are 0 allows no token: every logit -inf, got {logits[0, :4]}")
+    assert torch.isneginf(logits[2, :32]).all() and torch.isneginf(logits[3, 32:]).all(), (
+        "a word of 0 allows none of its 32 tokens: every logit -inf")
+    kept = ~torch.isneginf(logits)
+    assert torch.equal(logits[kept], before[kept]), "an allowed logit keeps its value exactly"
+    assert kept[1].any() and kept[2, 32:].any() and kept[3, :32].any(), (
+        "the words of -1 allow their tokens: those logits must stay")
+
+
+@pytest.mark.ex07a
+def test_the_sign_bit_is_token_31_of_its_word(impl):
+    """Bit 31 of an int32 word is its sign: a word with it set is negative.
+    The word -2**31 | 1 (bits 0 and 31) allows tokens 0 and 31 of its 32,
+    and no other: shifting right copies the sign bit in from the left, so
+    each shifted word needs its lowest bit alone (`& 1`)."""
+    word = -2 ** 31 | 1
+    bitmask = torch.tensor([[word, 0], [0, word]], dtype=torch.int32)
+    logits = torch.zeros(2, 64)
+    impl.apply_token_bitmask(logits, bitmask)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert allowed == [[0, 31], [32, 63]], (
+        f"allowed tokens {allowed}, expected [[0, 31], [32, 63]]")
+
+
+@pytest.mark.ex07a
+@pytest.mark.parametrize("vocab", [33, 100])
+def test_the_last_words_padding_is_ignored(impl, vocab):
+    """A vocabulary that is not a multiple of 32: the last word has bits
+    for tokens that do not exist; the mask is cut to the logits' vocab
+    columns (here every word -1 except token 1's and the last token's bit)."""
+    words = -(-vocab // 32)
+    bitmask = torch.full((2, words), -1, dtype=torch.int32)
+    bitmask[0, 0] = ~(1 << 1)  # token 1 not allowed
+    last = vocab - 1
+    bitmask[1, last // 32] &= ~(1 << (last % 32))  # the last real token not allowed
+    logits = torch.zeros(2, vocab)
+    impl.apply_token_bitmask(logits, bitmask)
+    assert logits.shape == (2, vocab)
+    blocked = [torch.isneginf(row).nonzero().flatten().tolist() for row in logits]
+    assert blocked == [[1], [last]], f"tokens set to -inf: {blocked}, expected [[1], [{last}]]"
+
+
+@pytest.mark.ex07a
 @pytest.mark.parametrize("vocab", [49152, 100, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_token_bitmask_equals_xgrammars_kernel(impl, vocab, dtype):

@@ -1,0 +1,278 @@
+"""Mutation testing of each exercise's reference component (`make mutants CH=04`).
+
+mutmut (https://github.com/boxed/mutmut) makes small changes to the
+reference component, one at a time (a `<` for a `<=`, a `+ 1` for a
+`- 1`, a deleted line, ...), and runs the tests on each mutant. A mutant
+the tests do not notice *survived*: either the tests miss a bug, or the
+change makes no difference (an *equivalent* mutant). Two suites, each on
+its own run:
+
+- `grading`: the exercise's grading tests (`-m exNN`), the tests a learner's
+  code must pass: a surviving mutant is a wrong solution that passes;
+- `engine`: the engine's own tests that touch the component (the files in
+  `Target.engine_tests`), what `make test` relies on.
+
+Each run writes bench/results/mutants-exNN-<suite>.md: killed, survived,
+and every survivor with its diff and either the reason it is equivalent
+(`EQUIVALENT` below) or "not explained". The run exits non-zero if a
+survivor is not explained.
+
+    python -m tests.mutation 04                 # both suites
+    python -m tests.mutation 04 --suite grading
+
+It runs in .mutants/exNN-<suite>/ (git ignores it), a copy of the tree,
+with mutmut's forked workers (2 on 2 cores); only the tests that execute
+the mutated function run on its mutants, fastest first, stopping at the
+first failure. Left out: mutants of code the exercise does not ask for
+(chapter 07's lookahead in the block manager, chapter 03-04's static
+scheduler).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Target:
+    source: str  # the reference file mutated
+    functions: tuple[str, ...]  # mutmut name patterns: what the exercise writes
+    engine_tests: tuple[str, ...]  # tests/ files of `make test` that touch it
+
+
+def method(cls: str, name: str = "*") -> str:
+    return f"xǁ{cls}ǁ{name}__mutmut_*"
+
+
+def function(name: str) -> str:
+    return f"x_{name}__mutmut_*"
+
+
+TARGETS: dict[str, Target] = {
+    "01": Target("common/autoregressive.py",
+                 (function("sample_next_token"), function("generate_without_cache")),
+                 ("test_ch01_foundation.py",)),
+    "02": Target("common/memory.py",
+                 (function("kv_cache_shape"), function("kv_bytes_per_token"),
+                  function("static_cache_bytes")),
+                 ("test_ch02_naive.py",)),
+    "03": Target("common/layers/attention.py",
+                 # TorchOps' three are module functions (staticmethod aliases,
+                 # which mutmut does not mutate in the class): mutate those,
+                 # and the two helpers they use to find a sequence's slots
+                 tuple(function(f) for f in ("store_kvcache", "gather_slots", "gather_kv",
+                                             "paged_decode_attention",
+                                             "paged_prefill_attention")),
+                 ("test_ch03_kv_cache.py", "test_ch04_paged.py", "test_cpu_attention.py")),
+    "04": Target("common/engine/block_manager.py",
+                 (function("compute_block_hash"),
+                  *(method("BlockManager", m) for m in (
+                      "__init__", "blocks_needed", "num_free_blocks", "num_used_blocks",
+                      "_full_block_hashes", "_block_tokens", "_cached_prefix",
+                      "_take_free_block", "_reuse", "can_allocate", "allocate", "can_append",
+                      "may_append", "cache_full_blocks", "deallocate", "_release", "usage"))),
+                 ("test_block_manager_invariants.py", "test_scheduler_invariants.py",
+                  "test_scheduler_unit.py", "test_ch03_kv_cache.py", "test_ch04_paged.py",
+                  "test_ch05_scheduler.py")),
+    "05": Target("common/engine/scheduler.py",
+                 (method("ScheduledSeq"), method("Scheduler"), method("ContinuousScheduler")),
+                 ("test_scheduler_invariants.py", "test_scheduler_unit.py",
+                  "test_ch05_scheduler.py", "test_ch04_paged.py", "test_ch03_kv_cache.py")),
+    "06": Target("common/entrypoints/metrics.py",
+                 # not the tokens-per-step histogram nor chapter 07's draft
+                 # counters (`_step_tokens`, `_spec_decode`): the exercise leaves them out
+                 (*(method("EngineCollector", m) for m in ("__init__", "_gauge", "_counter",
+                                                           "collect")),
+                  method("LatencyStatLogger")),
+                 ("test_ch06_server.py", "test_stats.py")),
+    "07a": Target("common/layers/token_bitmask.py", (function("apply_token_bitmask"),),
+                  ("test_structured_outputs.py",)),
+    "07b": Target("common/layers/rejection_sampler.py", (function("rejection_sample"),),
+                  ("test_speculative.py",)),
+    "08": Target("common/layers/quantization.py",
+                 (function("quantize_int8"), function("int8_linear")),
+                 ("test_quantization.py", "test_ch08_quantization.py")),
+}
+
+# Survivors that are not bugs: (exercise, suite, the mutant's changed line
+# as mutmut shows it, "+ ..." stripped) -> why no test can tell.
+EQUIVALENT: dict[tuple[str, str], str] = {
+}
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
+          34: "skipped", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout",
+          255: "timeout", None: "not checked"}
+
+
+def prepare(workdir: Path, exercise: str, suite: str) -> None:
+    """A copy of the tree for mutmut, and its configuration."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".cache")
+    for name in ("common", "tests", "bench"):
+        shutil.copytree(ROOT / name, workdir / name, ignore=ignore)
+    shutil.copy2(ROOT / "pytest.ini", workdir / "pytest.ini")
+    target = TARGETS[exercise]
+    if suite == "grading":
+        selection = [f"-m ex{exercise}", "tests/"]
+    else:
+        selection = [f"tests/{name}" for name in target.engine_tests]
+    (workdir / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths = common\n"
+        f"only_mutate = {target.source}\n"
+        "also_copy = bench\n"
+        # torch is not fork-safe once it has run: workers fork from a
+        # server that has only imported and collected the tests
+        "process_isolation = forkserver\n"
+        "pytest_add_cli_args = -p no:cacheprovider -p no:warnings\n"
+        "pytest_add_cli_args_test_selection =\n"
+        + "".join(f"    {arg}\n" for arg in " ".join(selection).split()) )
+    # the compiled C++ kernels and the converted model are shared, not rebuilt
+    (workdir / "mutants").mkdir()
+    (workdir / "mutants" / ".cache").symlink_to(ROOT / ".cache")
+
+
+def run_mutmut(workdir: Path, exercise: str) -> float:
+    patterns = [f"{module_name(exercise)}.{p}" for p in TARGETS[exercise].functions]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1")
+    start = time.monotonic()
+    mutmut = Path(sys.executable).with_name("mutmut")
+    subprocess.run([str(mutmut), "run", "--max-children", str(os.cpu_count() or 2), *patterns],
+                   cwd=workdir, env=env, check=True)
+    return time.monotonic() - start
+
+
+def module_name(exercise: str) -> str:
+    return TARGETS[exercise].source.removesuffix(".py").replace("/", ".")
+
+
+def collect(workdir: Path, exercise: str) -> dict[str, str]:
+    """Mutant name -> status, for the exercise's functions only."""
+    import fnmatch
+    meta = workdir / "mutants" / (TARGETS[exercise].source + ".meta")
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    patterns = [f"{module_name(exercise)}.{p}" for p in TARGETS[exercise].functions]
+    return {name: STATUS.get(code, "suspicious") for name, code in codes.items()
+            if any(fnmatch.fnmatch(name, p) for p in patterns)}
+
+
+def diff_of(workdir: Path, name: str) -> str:
+    mutmut = Path(sys.executable).with_name("mutmut")
+    out = subprocess.run([str(mutmut), "show", name], cwd=workdir, capture_output=True,
+                         text=True, check=True).stdout
+    lines = out.splitlines()
+    return "\n".join(line for line in lines[1:] if line.startswith(("-", "+", "@"))
+                     and not line.startswith(("---", "+++")))
+
+
+def changed_line(diff: str) -> str:
+    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+")]
+    removed = [line[1:].strip() for line in diff.splitlines() if line.startswith("-")]
+    return " / ".join(added) if added else "deleted: " + " / ".join(removed)
+
+
+def write_results(exercise: str, suite: str, statuses: dict[str, str], seconds: float,
+                  workdir: Path) -> tuple[Path, list[str]]:
+    from bench.bench import bf16_words, measurement_machine
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    tested = sum(v for k, v in counts.items() if k in ("killed", "survived", "timeout"))
+    killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    survivors = sorted(name for name, status in statuses.items() if status == "survived")
+    unexplained = []
+    rows = []
+    for name in survivors:
+        diff = diff_of(workdir, name)
+        line = changed_line(diff)
+        reason = EQUIVALENT.get((exercise, line))
+        if reason is None:
+            unexplained.append(name)
+        rows.append((name, diff, reason or "not explained"))
+    machine = measurement_machine()
+    target = TARGETS[exercise]
+    tests = (f"the grading tests (`pytest -m ex{exercise}`)" if suite == "grading" else
+             "the engine's tests: " + ", ".join(f"`tests/{t}`" for t in target.engine_tests))
+    out = [f"# Mutation testing: exercise {exercise}, {suite} tests",
+           "",
+           f"Measured {date.today().isoformat()} with `make mutants CH={exercise}` "
+           f"(`python -m tests.mutation {exercise} --suite {suite}`), mutmut "
+           f"{mutmut_version()}.",
+           f"Machine: {machine['cpu']}, {machine['cores']} cores, {bf16_words(machine)}; "
+           f"load average at the end {os.getloadavg()[0]:.1f}.",
+           "",
+           f"Mutated: `{target.source}` ({', '.join(f'`{p}`' for p in target.functions)}), "
+           f"sha256 {source_digest(exercise)}.",
+           f"Tests: {tests}.",
+           "",
+           "| mutants | killed | survived | timeout | no tests | killed % | time |",
+           "|---|---|---|---|---|---|---|",
+           f"| {len(statuses)} | {counts.get('killed', 0)} | {counts.get('survived', 0)} | "
+           f"{counts.get('timeout', 0)} | {counts.get('no tests', 0)} | "
+           f"{100.0 * killed / tested if tested else 0.0:.1f} | {seconds / 60:.1f} min |",
+           "",
+           "Killed % = (killed + timeout) / (killed + survived + timeout). A timeout is a",
+           "mutant that made the tests hang (an infinite loop): caught.",
+           ""]
+    if counts.get("no tests"):
+        out += ["Mutants with no tests: no test of this suite runs that function.", ""]
+    out += ["## Survivors", ""]
+    if not rows:
+        out.append("None: every mutant the tests run is killed.")
+    for name, diff, reason in rows:
+        out += [f"### `{name.split('.')[-1]}`", "", "```diff", diff, "```", "",
+                f"Equivalent: {reason}" if reason != "not explained" else
+                "**Not explained**: a test should kill it.", ""]
+    path = RESULTS / f"mutants-ex{exercise}-{suite}.md"
+    path.write_text("\n".join(out).rstrip() + "\n")
+    return path, unexplained
+
+
+def source_digest(exercise: str) -> str:
+    """The mutated file's digest, recorded in the results file: a test
+    (tests/test_mutation_results.py) says when the reference has changed
+    since the run."""
+    import hashlib
+    return hashlib.sha256((ROOT / TARGETS[exercise].source).read_bytes()).hexdigest()[:16]
+
+
+def mutmut_version() -> str:
+    from importlib.metadata import version
+    return version("mutmut")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("exercise", choices=sorted(TARGETS))
+    parser.add_argument("--suite", choices=["grading", "engine", "both"], default="both")
+    args = parser.parse_args(argv)
+    suites = ["grading", "engine"] if args.suite == "both" else [args.suite]
+    failed = False
+    for suite in suites:
+        workdir = ROOT / ".mutants" / f"ex{args.exercise}-{suite}"
+        prepare(workdir, args.exercise, suite)
+        seconds = run_mutmut(workdir, args.exercise)
+        statuses = collect(workdir, args.exercise)
+        path, unexplained = write_results(args.exercise, suite, statuses, seconds, workdir)
+        print(f"wrote {path.relative_to(ROOT)}")
+        for name in unexplained:
+            print(f"  survivor not explained: {name}")
+        failed |= bool(unexplained)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

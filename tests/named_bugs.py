@@ -1,0 +1,465 @@
+"""The mistakes learners make, kept as small patches of the reference.
+
+Each `NamedBug` turns the reference component of one exercise into a
+wrong solution by replacing one snippet (`old`, found exactly once) with
+another (`new`). `make exercises-check` (tests/check_exercises.py) grades
+each wrong solution as if a learner had written it and asserts that the
+grading tests fail, on an assertion (not a crash), with a message that
+sends the learner to the README hint about the concept (`hint`), not to
+the answer.
+
+`caught_by` names the grading test that must fail: the check then runs
+only that test (a second or two), and its README row must point to the
+bug's hint. Without it, the check runs all the exercise's grading tests
+until the first failure.
+
+A bug belongs here when a learner could write it in good faith and it
+once passed, or could pass, a weaker test: the first two of exercise 04
+passed the whole grading suite before the invariants of
+tests/invariants.py existed, and handed out wrong K/V.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.components import EXERCISES, ROOT
+
+
+@dataclass(frozen=True)
+class NamedBug:
+    exercise: str  # a key of EXERCISES
+    name: str  # short, for the report
+    why: str  # what goes wrong for users
+    old: str  # a snippet of the reference, found exactly once
+    new: str  # what the learner wrote instead
+    hint: int  # the README hint the failure must point to
+    caught_by: str = ""  # the grading test that must catch it ("file.py::test"); "" = any
+
+    @property
+    def reference(self) -> Path:
+        return ROOT / EXERCISES[self.exercise].reference
+
+    def patched_source(self) -> str:
+        source = self.reference.read_text()
+        count = source.count(self.old)
+        if count != 1:
+            raise ValueError(f"named bug {self.exercise} '{self.name}': its snippet is found "
+                             f"{count} times in {self.reference.relative_to(ROOT)}, not once "
+                             "(the reference changed: update the bug)")
+        return source.replace(self.old, self.new)
+
+
+NAMED_BUGS: list[NamedBug] = [
+    # ----------------------------------------------------- 04, block manager
+    NamedBug(
+        "04", "a reused cached block stays on the free list",
+        "a later prompt is given the same physical block as a running one and overwrites its K/V",
+        old="""        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        else:
+            self.num_shared_refs += 1""",
+        new="""        if block.ref_count != 0:
+            self.num_shared_refs += 1""",
+        hint=8,
+        caught_by="test_block_manager_invariants.py::test_a_reused_free_cached_block_leaves_the_free_list"),
+    NamedBug(
+        "04", "a block taken from the free list keeps its hash in the cache",
+        "a later prompt 'hits' a block another prompt has overwritten: wrong K/V, wrong tokens",
+        old="""        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # evict its old contents
+""",
+        new="",
+        hint=11,
+        caught_by="test_block_manager_invariants.py::test_a_block_taken_from_the_free_list_no_longer_hits"),
+    NamedBug(
+        "04", "usage counts a shared block once per reader",
+        "the KV waste of /stats and the log is wrong (negative) as soon as prompts share a prefix",
+        old="""        used = (sum(seq.num_computed_tokens for seq in seqs)
+                - self.num_shared_refs * self.block_size)""",
+        new="""        used = sum(seq.num_computed_tokens for seq in seqs)""",
+        hint=4,
+        caught_by="test_block_manager_invariants.py::test_usage_counts_a_shared_block_once"),
+    NamedBug(
+        "04", "can_allocate ignores the cached blocks already in use",
+        "a prompt that shares its prefix with a running one waits for blocks it does not need",
+        old="""        return needed - in_use <= self.num_free_blocks""",
+        new="""        return needed <= self.num_free_blocks""",
+        hint=8,
+        caught_by="test_block_manager_invariants.py::test_can_allocate_counts_only_blocks_it_must_take"),
+    NamedBug(
+        "04", "can_allocate counts a free cached block as costing nothing",
+        "allocate runs out of free blocks in the middle of admitting a prompt (a crash)",
+        old="""        in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)""",
+        new="""        in_use = len(cached)""",
+        hint=8,
+        caught_by="test_block_manager_invariants.py::test_can_allocate_counts_only_blocks_it_must_take"),
+    NamedBug(
+        "04", "prefix_queries counts every prompt token's block, partial included",
+        "the prefix-cache hit rate of /metrics is too low",
+        old="""            self.prefix_queries += seq.num_prompt_tokens // self.block_size""",
+        new="""            self.prefix_queries += self.blocks_needed(seq.num_prompt_tokens)""",
+        hint=9,
+        caught_by="test_block_manager_invariants.py::test_prefix_cache_queries_and_hits_are_counted_per_full_prompt_block"),
+    NamedBug(
+        "04", "a hit on the block holding the last token",
+        "a fully cached prompt computes no token: no logits to sample from",
+        old="""            if j == max_reusable or block_id is None:""",
+        new="""            if block_id is None:""",
+        hint=6,
+        caught_by="test_ch04_paged.py::test_full_prefix_hit_recomputes_the_last_block"),
+    NamedBug(
+        "04", "a hit trusted on the hash alone",
+        "two prompts whose blocks collide share K/V they do not have in common",
+        old="""            if self.blocks[block_id].token_ids != self._block_tokens(seq, j):
+                break  # a hash collision, caught by the token check
+""",
+        new="",
+        hint=7,
+        caught_by="test_ch04_paged.py::test_hash_collision_is_caught_by_the_token_check"),
+    NamedBug(
+        "04", "blocks registered as soon as they are full, before their K/V are computed",
+        "a prompt admitted in the same step reuses K/V that are not written yet",
+        old="""        hashes = self._full_block_hashes(seq, seq.num_computed_tokens)""",
+        new="""        hashes = self._full_block_hashes(seq, seq.num_tokens)""",
+        hint=10,
+        caught_by="test_block_manager_invariants.py::test_a_block_enters_the_prefix_cache_only_once_computed"),
+    # ---------------------------------------------------------- 05, scheduler
+    NamedBug(
+        "05", "preemption frees nothing",
+        "a preempted sequence keeps its blocks while it waits: the pool leaks until it stalls",
+        old="""        self.running.remove(seq)
+        self.bm.deallocate(seq)
+        seq.status = SequenceStatus.WAITING""",
+        new="""        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING""",
+        hint=6,
+        caught_by="test_scheduler_invariants.py::test_a_preempted_sequence_recomputes_from_its_cached_prefix"),
+    NamedBug(
+        "05", "the oldest is preempted",
+        "the request that has waited longest loses its work again and again",
+        old="""            victim = self.running[-1]  # ch05: preempt the newest""",
+        new="""            victim = self.running[0]""",
+        hint=5,
+        caught_by="test_scheduler_unit.py::test_preemption_takes_the_newest_and_requeues_it_first"),
+    NamedBug(
+        "05", "a preempted sequence goes to the back of the queue",
+        "first come, first served breaks: a preempted request waits behind newer ones",
+        old="""        self.waiting.appendleft(seq)""",
+        new="""        self.waiting.append(seq)""",
+        hint=5,
+        caught_by="test_scheduler_unit.py::test_preemption_takes_the_newest_and_requeues_it_first"),
+    NamedBug(
+        "05", "a prompt chunk ignores the step's token budget",
+        "one long prompt takes the whole step: max_num_batched_tokens means nothing",
+        old="""        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # ch05: chunks""",
+        new="""        num_new = seq.num_tokens - seq.num_computed_tokens""",
+        hint=3,
+        caught_by="test_scheduler_unit.py::test_the_token_budget_is_shared_by_decodes_and_a_new_prefill"),
+    NamedBug(
+        "05", "a chunk that does not sample is not counted as computed",
+        "a long prompt is fed again and again: it never finishes its prefill",
+        old="""            if tokens is None:  # a prefill chunk that is not the last
+                seq.num_computed_tokens += item.num_new_tokens  # writer: after a step
+                self.bm.cache_full_blocks(seq)  # ch04: blocks that just filled
+                continue""",
+        new="""            if tokens is None:  # a prefill chunk that is not the last
+                continue""",
+        hint=3,
+        caught_by="test_scheduler_unit.py::test_chunked_prefill_boundaries_and_sampling_only_at_the_last_chunk"),
+    NamedBug(
+        "05", "a sequence preempted in this step still runs",
+        "the step feeds a sequence whose blocks were just freed: its K/V go to blocks others own",
+        old="""            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted a moment ago to make room for an older one
+""",
+        new="",
+        hint=6,
+        caught_by="test_scheduler_invariants.py::test_a_preempted_sequence_recomputes_from_its_cached_prefix"),
+    NamedBug(
+        "05", "newcomers admitted while the step preempts",
+        "a sequence is admitted into the room that a preemption just made for an older one",
+        old="""        if self.num_preemptions == preemptions_before:  # ch05: no admission under pressure
+            scheduled += self._admit(budget)""",
+        new="""        scheduled += self._admit(budget)""",
+        hint=5,
+        caught_by="test_scheduler_invariants.py::test_nobody_joins_in_a_step_that_preempts"),
+    NamedBug(
+        "05", "a decode step without room for its token",
+        "the new token's K/V is written past the end of the sequence's last block",
+        old="""            victim = self.running[-1]  # ch05: preempt the newest
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.bm.may_append(seq)""",
+        new="""            victim = self.running[-1]  # ch05: preempt the newest
+            self.preempt(victim)
+            if victim is seq:
+                return False""",
+        hint=5,
+        caught_by="test_scheduler_invariants.py::test_scheduler_invariants_under_random_workloads"),
+    NamedBug(
+        "05", "the cap on a long prompt's chunk is ignored",
+        "a long prompt takes every step's budget: newcomers wait for its whole prefill",
+        old="""        if 0 < self.long_prefill_token_threshold < num_new:  # ch05: room for newcomers
+            num_new = self.long_prefill_token_threshold
+""",
+        new="",
+        hint=3,
+        caught_by="test_scheduler_unit.py::test_a_long_prefill_leaves_room_for_a_newcomer"),
+    # ------------------------------------------------ 01, the loop by hand
+    NamedBug(
+        "01", "the loop stops one token early",
+        "every answer is one token shorter than max_tokens asks: usage and finish reasons lie",
+        old="""    for _ in range(max_new_tokens):""",
+        new="""    for _ in range(max_new_tokens - 1):""",
+        hint=4),
+    NamedBug(
+        "01", "the temperature divides the probabilities, not the logits",
+        "the temperature does nothing (multinomial renormalizes): T = 0.2 samples as T = 1",
+        old="""    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (vocab,)""",
+        new="""    probs = torch.softmax(logits.float(), dim=-1) / temperature  # (vocab,)""",
+        hint=2),
+    NamedBug(
+        "01", "no stop at the end-of-sequence token",
+        "the model keeps talking after its answer, up to max_tokens, past <|im_end|>",
+        old="""        if next_id in eos_token_ids:
+            return new_ids, "stop"
+""",
+        new="",
+        hint=4),
+    NamedBug(
+        "01", "a generator made anew at every step",
+        "a seeded answer draws the same random number at every step: not the seed's answer",
+        old="""        next_id = sample_next_token(logits.cpu(), temperature, generator)""",
+        new="""        if seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+        next_id = sample_next_token(logits.cpu(), temperature, generator)""",
+        hint=3),
+    # --------------------------------------------- 02, the KV cache's bytes
+    NamedBug(
+        "02", "4 bytes per element, whatever the dtype",
+        "a bfloat16 server reserves twice the cache it needs: half the requests fit",
+        old="""    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * head_dim * element""",
+        new="""    element = 4  # float32
+    return 2 * layers * kv_heads * head_dim * element""",
+        hint=4),
+    NamedBug(
+        "02", "K and V counted once",
+        "the cache is sized at half its real bytes: the card runs out of memory it had budgeted",
+        old="""    return 2 * layers * kv_heads * head_dim * element""",
+        new="""    return layers * kv_heads * head_dim * element""",
+        hint=4),
+    NamedBug(
+        "02", "the query heads cached instead of the KV heads",
+        "with GQA the cache is sized 3 times too big (SmolLM2): a third of the requests fit",
+        old="""    kv_heads = getattr(config, "num_key_value_heads", None) or heads""",
+        new="""    kv_heads = heads""",
+        hint=1),
+    NamedBug(
+        "02", "head_dim divided by the KV heads",
+        "SmolLM2's head_dim comes out 192, not 64: the cache is sized 3 times too big",
+        old="""    head_dim = getattr(config, "head_dim", None) or hidden // heads""",
+        new="""    head_dim = getattr(config, "head_dim", None) or hidden // kv_heads""",
+        hint=3),
+    # ----------------------------------------------- 03, attention and cache
+    NamedBug(
+        "03", "slots computed as one contiguous region",
+        "fine with chapter 03's regions, wrong K/V as soon as a sequence's blocks are not "
+        "consecutive (chapter 04): garbage tokens under load",
+        old="""    blocks = block_tables[:, positions // block_size].long()  # (num_seqs, num_positions)
+    return blocks * block_size + positions % block_size""",
+        new="""    return block_tables[:, :1].long() * block_size + positions  # region * block_size + p""",
+        hint=1),
+    NamedBug(
+        "03", "decode does not attend to its own token",
+        "every generated token ignores the token before it: text drifts from HF's at once",
+        old="""    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]""",
+        new="""    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None] - 1""",
+        hint=3),
+    NamedBug(
+        "03", "the scale given is ignored",
+        "a model whose attention scale is not head_dim ** -0.5 (or one written with einsum "
+        "and no scale) gives other logits",
+        old="""        attn_mask=valid[:, None, None, :], scale=scale,""",
+        new="""        attn_mask=valid[:, None, None, :], scale=1.0,""",
+        hint=3),
+    NamedBug(
+        "03", "query heads paired with KV heads by repeat, not repeat_interleave",
+        "with GQA each query head reads another group's K/V: wrong logits for SmolLM2",
+        old="""        keys.transpose(1, 2), values.transpose(1, 2),  # (num_seqs, H_kv, max_len, D)""",
+        new="""        keys.repeat(1, 1, num_heads // num_kv_heads, 1).transpose(1, 2),
+        values.repeat(1, 1, num_heads // num_kv_heads, 1).transpose(1, 2),""",
+        hint=2),
+    NamedBug(
+        "03", "prefill without the causal mask",
+        "each prompt token sees the tokens after it: the prompt's K/V and the first token "
+        "are wrong",
+        old="""            attn_mask=causal, scale=scale,""",
+        new="""            attn_mask=None, scale=scale,""",
+        hint=4),
+    NamedBug(
+        "03", "prefill queries placed at positions 0..q_len-1",
+        "right for whole prompts, wrong as soon as part of the context is cached (prefix "
+        "caching, chunked prefill, a preempted sequence's recompute)",
+        old="""        q_pos = torch.arange(context_len - query_len, context_len, device=query.device)""",
+        new="""        q_pos = torch.arange(query_len, device=query.device)""",
+        hint=4),
+    # -------------------------------------------------------- 06, /metrics
+    NamedBug(
+        "06", "the latencies observed in milliseconds",
+        "every latency lands in the +Inf bucket: vLLM's dashboard shows TTFT p50 of 500 s",
+        old="""        for ttft in iteration_stats.time_to_first_tokens_iter:
+            m.ttft.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            m.itl.observe(itl)""",
+        new="""        for ttft in iteration_stats.time_to_first_tokens_iter:
+            m.ttft.observe(ttft * 1000)  # ms
+        for itl in iteration_stats.inter_token_latencies_iter:
+            m.itl.observe(itl * 1000)""",
+        hint=4),
+    NamedBug(
+        "06", "TTFT taken from the request's first step, at its end",
+        "the time spent waiting in the queue is missing from TTFT, and TTFT is observed only "
+        "once a request finishes",
+        old="""        for ttft in iteration_stats.time_to_first_tokens_iter:
+            m.ttft.observe(ttft)
+""",
+        new="""        for finished in iteration_stats.finished_requests:
+            m.ttft.observe(finished.prefill_time)
+""",
+        hint=4),
+    NamedBug(
+        "06", "a counter reports what changed since the last scrape",
+        "the counters go down between scrapes: Prometheus sees a reset at every scrape and "
+        "rate() is garbage",
+        old="""    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])  # adds "_total"
+        family.add_metric([self.model_name], value)""",
+        new="""    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])  # adds "_total"
+        last = getattr(self, "_last", {})
+        self._last = {**last, name: value}
+        family.add_metric([self.model_name], value - last.get(name, 0))""",
+        hint=1),
+    NamedBug(
+        "06", "the snapshot read once, when the collector is built",
+        "/metrics shows the figures of the server's start forever",
+        old="""        self.snapshot = snapshot
+        self.model_name = model_name""",
+        new="""        first = snapshot()
+        self.snapshot = lambda: first
+        self.model_name = model_name""",
+        hint=1),
+    NamedBug(
+        "06", "one counter family per finish reason",
+        "a second # TYPE line for vllm:request_success_total: Prometheus rejects the scrape",
+        old="""        success = CounterMetricFamily("vllm:request_success", "Finished requests by "
+                                      "finish reason.", labels=["model_name", "finished_reason"])
+        for reason, count in sorted(s["finished"].items()):
+            success.add_metric([self.model_name, reason], count)
+        yield success""",
+        new="""        for reason, count in sorted(s["finished"].items()):
+            success = CounterMetricFamily("vllm:request_success", "Finished requests by "
+                                          "finish reason.",
+                                          labels=["model_name", "finished_reason"])
+            success.add_metric([self.model_name, reason], count)
+            yield success""",
+        hint=3),
+    # ------------------------------------------------- 07a, the token mask
+    NamedBug(
+        "07a", "the bits of each word read from the top",
+        "the grammar's allowed tokens are scrambled: the JSON breaks at the first token",
+        old="""    bit = torch.arange(BITS_PER_WORD, device=bitmask.device, dtype=torch.int32)  # (32,)""",
+        new="""    bit = BITS_PER_WORD - 1 - torch.arange(BITS_PER_WORD, device=bitmask.device,
+                                           dtype=torch.int32)  # (32,)""",
+        hint=1),
+    NamedBug(
+        "07a", "the sign bit tested with > 0",
+        "token 31 of every word is never allowed: some valid JSON cannot be written",
+        old="""    allowed = ((bitmask.unsqueeze(-1) >> bit) & 1).bool()""",
+        new="""    allowed = (bitmask.unsqueeze(-1) & (1 << bit)) > 0""",
+        hint=2),
+    NamedBug(
+        "07a", "the padding bits of the last word kept",
+        "a vocabulary that is not a multiple of 32 crashes the step (a shape mismatch)",
+        old="""    allowed = allowed.reshape(num_rows, -1)[:, :vocab]  # (num_rows, vocab)""",
+        new="""    allowed = allowed.reshape(num_rows, -1)  # (num_rows, words * 32)""",
+        hint=3),
+    NamedBug(
+        "07a", "disallowed tokens set to 0, not -inf",
+        "a disallowed token keeps a probability (e^0 beats every negative logit): the JSON breaks",
+        old="""    logits.masked_fill_(~allowed, float("-inf"))""",
+        new="""    logits.masked_fill_(~allowed, 0.0)""",
+        hint=4),
+    # ------------------------------------------------------ 08, int8 weights
+    NamedBug(
+        "08", "one scale for the whole tensor",
+        "rows of small weights are crushed to a few levels (or to 0): the model's answers "
+        "degrade, unlike per-channel int8",
+        old="""    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)""",
+        new="""    scales = w.abs().amax().clamp(min=1e-12).expand(w.shape[0]) / 127  # (N,)""",
+        hint=1),
+    NamedBug(
+        "08", "rounded down with floor",
+        "every weight is biased down by half a step on average: the outputs drift",
+        old="""    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)""",
+        new="""    q = torch.floor(w / scales[:, None]).clamp(-127, 127).to(torch.int8)""",
+        hint=2),
+    NamedBug(
+        "08", "a bfloat16 weight quantized in bfloat16",
+        "with --dtype bfloat16 the scales are bfloat16 and w / scale only good to 8 bits: "
+        "weights a step off",
+        old="""    w = weight.float()
+    scales = w.abs().amax(dim=1)""",
+        new="""    w = weight
+    scales = w.abs().amax(dim=1)""",
+        hint=3),
+    NamedBug(
+        "08", "the scales applied along the input axis",
+        "a crash for most layers, and wrong outputs for a square one",
+        old="""    out = (acc * scales.float()).to(x.dtype)  # (M, N) * (N,): column n times s[n]""",
+        new="""    out = (acc * scales.float()[:, None]).to(x.dtype)""",
+        hint=5),
+    # ------------------------------------------- 07b, the rejection sampler
+    NamedBug(
+        "07b", "a draft accepted when it is the most likely token, without a draw",
+        "sampled text becomes greedy wherever a draft is the argmax: the answers lose the "
+        "distribution temperature asked for",
+        old="""        if torch.rand((), generator=generator) < probs[draft]:  # accept with p(d)""",
+        new="""        if probs[draft] >= probs.max():  # the model agrees with the draft""",
+        hint=2),
+    NamedBug(
+        "07b", "the replacement sampled from p itself, the draft still in it",
+        "a rejected draft comes out anyway, too often: the text is no longer the model's "
+        "distribution",
+        old="""        residual[draft] = 0.0  # p with d removed; multinomial renormalizes
+""",
+        new="",
+        hint=3),
+    NamedBug(
+        "07b", "each draft judged by the row after it",
+        "drafts are checked against the distribution one token later: plausible text, "
+        "not the model's",
+        old="""        probs = target_probs[j]  # (vocab,)""",
+        new="""        probs = target_probs[j + 1]  # (vocab,)""",
+        hint=1),
+    NamedBug(
+        "07b", "no bonus token when every draft is accepted",
+        "the step computed a row it throws away: one token fewer per fully accepted step",
+        old="""    tokens.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))  # bonus
+""",
+        new="",
+        hint=4),
+    NamedBug(
+        "07b", "the replacement drawn from torch's global generator",
+        "a seeded request does not replay once a draft is rejected",
+        old="""        tokens.append(int(torch.multinomial(residual, 1, generator=generator)))""",
+        new="""        tokens.append(int(torch.multinomial(residual, 1)))""",
+        hint=5),
+]
+
+
+def bugs_for(exercise: str) -> list[NamedBug]:
+    return [bug for bug in NAMED_BUGS if bug.exercise == exercise]

@@ -53,27 +53,39 @@ def preload() -> None:
     import common.loader  # noqa: F401
 
 
-def pytest_in_fork(args: list[str]) -> str:
-    """`pytest args` in a forked child; returns what it printed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with tempfile.TemporaryFile(mode="w+") as out:
-        pid = os.fork()
-        if pid == 0:  # the child
-            code = 99
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(out.fileno(), 2)
-                os.chdir(ROOT)
-                import pytest
-                code = int(pytest.main(args))
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        os.waitpid(pid, 0)
+def pytest_in_forks(runs: list[list[str]], workers: int = 2) -> list[str]:
+    """`pytest args` for each args of `runs`, each in a forked child, at
+    most `workers` at a time (the 2 cores: most grading tests are Python
+    that keeps one core busy); returns what each printed, in order."""
+    outputs: list[str] = [""] * len(runs)
+    running: dict[int, tuple[int, object]] = {}  # pid -> (index, its output file)
+    pending = list(enumerate(runs))
+    while pending or running:
+        while pending and len(running) < workers:
+            index, args = pending.pop(0)
+            out = tempfile.TemporaryFile(mode="w+")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the child
+                code = 99
+                try:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(out.fileno(), 2)
+                    os.chdir(ROOT)
+                    import pytest
+                    code = int(pytest.main(args))
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            running[pid] = (index, out)
+        pid, _ = os.wait()
+        index, out = running.pop(pid)
         out.seek(0)
-        return out.read()
+        outputs[index] = out.read()
+        out.close()
+    return outputs
 
 
 def grading_files(chapter: str) -> list[str]:
@@ -90,23 +102,36 @@ def run_grading(chapter: str, stub: bool) -> list[ET.Element]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         exercise = ["--exercise", chapter] if stub else []
-        pytest_in_fork(["-m", f"ex{chapter}", *exercise, "-q", "--no-header", "-p", "no:warnings",
-                        f"--junitxml={report}", *grading_files(chapter)])
+        pytest_in_forks([["-m", f"ex{chapter}", *exercise, "-q", "--no-header", "-p",
+                          "no:warnings", f"--junitxml={report}", *grading_files(chapter)]])
         return list(ET.parse(report).getroot().iter("testcase"))
 
 
-def check_bug(bug: NamedBug) -> list[str]:
-    """Grade the reference with `bug` planted, as a learner's file."""
+def check_bugs(bugs: list[NamedBug]) -> list[str]:
+    """Grade the reference with each bug planted, as a learner's file."""
     with tempfile.TemporaryDirectory() as tmp:
-        planted = Path(tmp) / bug.reference.name
-        planted.write_text(bug.patched_source())
-        report = Path(tmp) / "report.xml"
-        printed = pytest_in_fork(
-            ["-m", f"ex{bug.exercise}", "--exercise", bug.exercise, f"--exercise-file={planted}",
-             "-x", "-q", "--no-header", "-p", "no:warnings", "--tb=line",
-             f"--junitxml={report}",
-             *([f"tests/{bug.caught_by}"] if bug.caught_by else grading_files(bug.exercise))])
-        cases = list(ET.parse(report).getroot().iter("testcase")) if report.exists() else []
+        runs = []
+        for number, bug in enumerate(bugs):
+            folder = Path(tmp) / str(number)
+            folder.mkdir()
+            planted = folder / bug.reference.name
+            planted.write_text(bug.patched_source())
+            runs.append(["-m", f"ex{bug.exercise}", "--exercise", bug.exercise,
+                         f"--exercise-file={planted}", "-x", "-q", "--no-header", "-p",
+                         "no:warnings", "--tb=line", f"--junitxml={folder / 'report.xml'}",
+                         *([f"tests/{bug.caught_by}"] if bug.caught_by
+                           else grading_files(bug.exercise))])
+        printed = pytest_in_forks(runs)
+        problems = []
+        for number, (bug, output) in enumerate(zip(bugs, printed)):
+            report = Path(tmp) / str(number) / "report.xml"
+            cases = list(ET.parse(report).getroot().iter("testcase")) if report.exists() else []
+            problems += judge_bug(bug, cases, output)
+    return problems
+
+
+def judge_bug(bug: NamedBug, cases: list[ET.Element], printed: str) -> list[str]:
+    """Problems with one named bug's grading run (none: it was caught)."""
     failures = [(case, found) for case in cases for kind, found in [outcome(case)]
                 if kind in ("failure", "error")]
     if not failures:
@@ -170,8 +195,7 @@ def main(args: list[str]) -> int:
     for chapter in chapters:
         problems = [] if bugs_only else check(chapter, reference)
         bugs = bugs_for(chapter)
-        for bug in bugs:
-            problems += check_bug(bug)
+        problems += check_bugs(bugs)
         verdict = ", ".join(
             ([] if bugs_only else ["the stub fails every grading test"])
             + (["the reference passes them"] if reference and not bugs_only else [])

@@ -9,12 +9,17 @@ from tests.components import Components
 from tests.invariants import checked
 
 
+CHECKED_POOL = 512  # blocks
+
+
 def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
                 structured_outputs=False, **config):
     """policy: "static" (ch03-04) or "continuous" (ch05). `impl`: the
     components to build it with (tests/components.py; default: reference);
-    its block manager checks its invariants after every change
-    (tests/invariants.py's `checked`).
+    an engine on a small pool (`num_blocks` up to CHECKED_POOL, the tests
+    that put the cache under pressure) has its block manager check its
+    invariants after every change (tests/invariants.py's `checked`; each
+    check reads the whole pool, too slow for thousands of blocks).
     `structured_outputs`: chapter 07's grammar step (imports xgrammar).
     `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions)."""
     impl = impl or Components()
@@ -24,8 +29,11 @@ def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
     if structured_outputs:
         from common.engine.structured_output import StructuredOutputManager
         structured_output_cls = StructuredOutputManager
+    block_manager_cls = impl.BlockManager
+    if num_blocks is not None and num_blocks <= CHECKED_POOL:
+        block_manager_cls = checked(block_manager_cls)
     return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
-                     num_blocks=num_blocks, block_manager_cls=checked(impl.BlockManager),
+                     num_blocks=num_blocks, block_manager_cls=block_manager_cls,
                      attention_ops=impl.attention_ops,
                      structured_output_cls=structured_output_cls)
 

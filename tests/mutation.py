@@ -140,9 +140,13 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
         "pytest_add_cli_args = -p no:cacheprovider -p no:warnings\n"
         "pytest_add_cli_args_test_selection =\n"
         + "".join(f"    {arg}\n" for arg in " ".join(selection).split()) )
-    # the compiled C++ kernels and the converted model are shared, not rebuilt
-    (workdir / "mutants").mkdir()
-    (workdir / "mutants" / ".cache").symlink_to(ROOT / ".cache")
+    # The compiled C++ kernels: a copy (ninja rebuilds them once for the
+    # copy's source paths). A link would make this tree and the copy
+    # rebuild them in turn, each time either imports them.
+    extensions = ROOT / ".cache" / "torch_extensions"
+    if extensions.exists():
+        shutil.copytree(extensions, workdir / "mutants" / ".cache" / "torch_extensions",
+                        ignore=shutil.ignore_patterns("*.flock", "lock"))
 
 
 def run_mutmut(workdir: Path, exercise: str) -> float:

@@ -105,6 +105,9 @@ def pytest_addoption(parser):
                      help="grade the learner's component of exercise CH (01..06, 07a, 07b, 08: "
                           "tests/components.py's EXERCISES, from NN-*/exercises/) instead "
                           "of the reference (make exercise CH=04)")
+    parser.addoption("--skip-model-tests", action="store_true",
+                     help="deselect the tests that load the embedded model or start a server "
+                          "(mutation runs of the block manager and the scheduler: make mutants)")
     parser.addoption("--exercise-file", metavar="PATH", default=None, type=Path,
                      help="with --exercise: grade this file instead of the chapter's "
                           "exercise file (make exercises-check plants named bugs this way)")
@@ -135,7 +138,15 @@ MODEL_FIXTURES = {"embedded", "tiny_llama", "start_server"}
 
 def pytest_collection_modifyitems(config, items):
     """In exercise mode the tests that need no model run first: a learner
-    sees the quick, pointed failures before the end-to-end ones."""
+    sees the quick, pointed failures before the end-to-end ones.
+    `--skip-model-tests` leaves out those that load the embedded model or
+    start a server."""
+    if config.getoption("--skip-model-tests"):
+        heavy = {"embedded", "start_server"}
+        skipped = [item for item in items if heavy & set(item.fixturenames)]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not heavy & set(item.fixturenames)]
     if config.getoption("--exercise") is not None:
         items.sort(key=lambda item: bool(MODEL_FIXTURES & set(item.fixturenames)))
 

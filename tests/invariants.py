@@ -131,13 +131,13 @@ def check_usage(bm, holders) -> None:
     computed_slots = {slot(bm, seq, i) for seq in holders for i in range(seq.num_computed_tokens)}
     used_blocks = bm.num_blocks - len(bm.free_blocks)
     usage = bm.usage(list(holders))
-    expected = (used_blocks, used_blocks * bm.block_size, len(computed_slots))
-    got = (usage.used_blocks, usage.reserved_slots, usage.used_slots)
+    expected = (bm.num_blocks, used_blocks, used_blocks * bm.block_size, len(computed_slots))
+    got = (usage.num_blocks, usage.used_blocks, usage.reserved_slots, usage.used_slots)
     if got != expected:
-        fail(f"usage(): (used_blocks, reserved_slots, used_slots) = {got}, but the tables "
-             f"give {expected} (a shared block's slots count once)")
-    reserved = expected[1]
-    waste = 100.0 * (reserved - expected[2]) / reserved if reserved else 0.0
+        fail(f"usage(): (num_blocks, used_blocks, reserved_slots, used_slots) = {got}, but "
+             f"the tables give {expected} (a shared block's slots count once)")
+    reserved, used = expected[2], expected[3]
+    waste = 100.0 * (reserved - used) / reserved if reserved else 0.0
     if abs(usage.waste_perc - waste) > 1e-6 or abs(
             usage.usage_perc - 100.0 * used_blocks / bm.num_blocks) > 1e-6:
         fail(f"usage(): waste_perc {usage.waste_perc} / usage_perc {usage.usage_perc}, "
@@ -200,7 +200,7 @@ def check_scheduler_step(sched, batch, before: Before) -> None:
             fail(f"request {seq.request_id} feeds tokens up to {end} but holds only "
                  f"{len(seq.block_table)} blocks of {sched.bm.block_size}")
     for seq in sched.waiting:
-        if seq.block_table or seq.num_computed_tokens:
+        if seq.block_table != [] or seq.num_computed_tokens != 0:
             fail(f"request {seq.request_id} waits but still holds blocks {seq.block_table} "
                  f"(num_computed_tokens {seq.num_computed_tokens}): a preempted sequence "
                  "gives all its blocks back and recomputes from its cached prefix")

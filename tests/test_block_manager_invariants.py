@@ -112,9 +112,9 @@ class Pool:
     def release(self, seq: Sequence, preempt: bool) -> None:
         self.running.remove(seq)
         self.bm.deallocate(seq)
-        if seq.block_table or seq.num_computed_tokens:
+        if seq.block_table != [] or seq.num_computed_tokens != 0:
             raise InvariantError("after deallocate the sequence still has a block table or "
-                                 "computed tokens")
+                                 "computed tokens (both must be back to [] and 0)")
         if preempt:
             self.preempted.append(seq)
         self.check()
@@ -131,6 +131,39 @@ def computed_prompt(pool, request_id, prompt):
     assert pool.admit(seq)
     pool.compute(seq, len(prompt), new_token=3)
     return seq
+
+
+def test_a_pool_of_one_block_works_and_of_none_is_refused(impl):
+    """Chapter 03's contiguous cache can be a single region: one block is a
+    pool. None is not, and says so."""
+    pool = Pool(impl.BlockManager(1, 4))
+    seq = new_seq("only", [1, 2, 3])
+    assert pool.admit(seq)
+    pool.compute(seq, 3, new_token=1)  # 4 tokens: still the one block
+    with pytest.raises(ValueError, match="^the KV cache needs at least one block$"):
+        impl.BlockManager(0, 4)
+
+
+def test_the_block_freed_first_is_handed_out_first(impl):
+    """Lazy eviction, oldest first: freed blocks keep their K/V (and their
+    place in the prefix cache) until the space is needed, and the one freed
+    longest ago goes first, so the most recent prefixes stay cached."""
+    pool = Pool(impl.BlockManager(3, 4, enable_prefix_caching=True))
+    old = computed_prompt(pool, "old", [1, 1, 1, 1])  # 1 full block + 1 for its next token
+    pool.release(old, preempt=False)
+    recent = computed_prompt(pool, "recent", [2, 2, 2, 2])  # takes the third and old's second
+    pool.release(recent, preempt=False)
+    computed_prompt(pool, "filler", [3])  # one block: the oldest freed, old's
+    assert bm_hits(pool, [2, 2, 2, 2, 5]) == 4, "the block freed last should still hit"
+    assert bm_hits(pool, [1, 1, 1, 1, 5]) == 0, "the block freed first should have been reused"
+
+
+def bm_hits(pool, prompt) -> int:
+    """Cached tokens a new prompt would start with (admitted, then freed)."""
+    seq = new_seq("probe", prompt)
+    assert pool.admit(seq)
+    pool.release(seq, preempt=False)
+    return seq.num_cached_tokens
 
 
 def test_a_reused_free_cached_block_leaves_the_free_list(impl):

@@ -140,6 +140,27 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "nothing reads a deallocated sequence's count: allocate sets it again first",
     ("04", "seq.num_registered_blocks = 1"):
         "nothing reads a deallocated sequence's count: allocate sets it again first",
+    # -------------------------------------------------- 07a, the token mask
+    ("07a", 'logits.masked_fill_(~allowed, float("-INF"))'):
+        'float() parses "-INF" as -inf, as "-inf"',
+    ("07a", "bit = torch.arange(BITS_PER_WORD, device=None, dtype=torch.int32)  # (32,)"):
+        "device=None is the default device, the CPU, where every test's bitmask is; on "
+        "CUDA it would fail (a CUDA word shifted by CPU bits): the engine moves the bitmask "
+        "to the logits' device first",
+    ("07a", "bit = torch.arange(BITS_PER_WORD, dtype=torch.int32)  # (32,)"):
+        "without device: the default device, the CPU, where every test's bitmask is; on "
+        "CUDA it would fail (a CUDA word shifted by CPU bits)",
+    ("07a", "bit = torch.arange(BITS_PER_WORD, device=bitmask.device, dtype=None)  # (32,)"):
+        "int64 bits: the int32 words are promoted to int64 with their sign, so (word >> j) "
+        "& 1 is the same bit (the (rows, words, 32) tensor takes twice the bytes)",
+    ("07a", "bit = torch.arange(BITS_PER_WORD, device=bitmask.device, )  # (32,)"):
+        "int64 bits: the int32 words are promoted to int64 with their sign, so (word >> j) "
+        "& 1 is the same bit (the (rows, words, 32) tensor takes twice the bytes)",
+    # ------------------------------------------- 07b, the rejection sampler
+    ("07b", "if torch.rand((), generator=generator) <= probs[draft]:  # accept with p(d)"):
+        "torch.rand draws from [0, 1) in steps of 2**-24: `<=` accepts more only when the "
+        "draw equals p(d) exactly, once in 16 million draws (a draft of probability 0 "
+        "accepted when the draw is 0.0)",
 }
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",

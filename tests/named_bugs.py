@@ -213,13 +213,15 @@ NAMED_BUGS: list[NamedBug] = [
         "every answer is one token shorter than max_tokens asks: usage and finish reasons lie",
         old="""    for _ in range(max_new_tokens):""",
         new="""    for _ in range(max_new_tokens - 1):""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch01_foundation.py::test_the_loop_stops_at_max_new_tokens_or_eos"),
     NamedBug(
         "01", "the temperature divides the probabilities, not the logits",
         "the temperature does nothing (multinomial renormalizes): T = 0.2 samples as T = 1",
         old="""    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (vocab,)""",
         new="""    probs = torch.softmax(logits.float(), dim=-1) / temperature  # (vocab,)""",
-        hint=2),
+        hint=2,
+        caught_by="test_ch01_foundation.py::test_sample_next_token_greedy_seeded_and_temperature"),
     NamedBug(
         "01", "no stop at the end-of-sequence token",
         "the model keeps talking after its answer, up to max_tokens, past <|im_end|>",
@@ -227,7 +229,8 @@ NAMED_BUGS: list[NamedBug] = [
             return new_ids, "stop"
 """,
         new="",
-        hint=4),
+        hint=4,
+        caught_by="test_ch01_foundation.py::test_the_loop_stops_at_max_new_tokens_or_eos"),
     NamedBug(
         "01", "a generator made anew at every step",
         "a seeded answer draws the same random number at every step: not the seed's answer",
@@ -235,7 +238,8 @@ NAMED_BUGS: list[NamedBug] = [
         new="""        if seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(seed)
         next_id = sample_next_token(logits.cpu(), temperature, generator)""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch01_foundation.py::test_one_seeded_generator_draws_the_whole_answer"),
     # --------------------------------------------- 02, the KV cache's bytes
     NamedBug(
         "02", "4 bytes per element, whatever the dtype",
@@ -244,25 +248,29 @@ NAMED_BUGS: list[NamedBug] = [
     return 2 * layers * kv_heads * head_dim * element""",
         new="""    element = 4  # float32
     return 2 * layers * kv_heads * head_dim * element""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch02_naive.py::test_kv_bytes_count_k_and_v_in_every_layer_at_the_dtypes_size"),
     NamedBug(
         "02", "K and V counted once",
         "the cache is sized at half its real bytes: the card runs out of memory it had budgeted",
         old="""    return 2 * layers * kv_heads * head_dim * element""",
         new="""    return layers * kv_heads * head_dim * element""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch02_naive.py::test_kv_bytes_count_k_and_v_in_every_layer_at_the_dtypes_size"),
     NamedBug(
         "02", "the query heads cached instead of the KV heads",
         "with GQA the cache is sized 3 times too big (SmolLM2): a third of the requests fit",
         old="""    kv_heads = getattr(config, "num_key_value_heads", None) or heads""",
         new="""    kv_heads = heads""",
-        hint=1),
+        hint=1,
+        caught_by="test_ch02_naive.py::test_only_the_kv_heads_are_cached"),
     NamedBug(
         "02", "head_dim divided by the KV heads",
         "SmolLM2's head_dim comes out 192, not 64: the cache is sized 3 times too big",
         old="""    head_dim = getattr(config, "head_dim", None) or hidden // heads""",
         new="""    head_dim = getattr(config, "head_dim", None) or hidden // kv_heads""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch02_naive.py::test_head_dim_is_stated_or_hidden_size_over_query_heads"),
     # ----------------------------------------------- 03, attention and cache
     NamedBug(
         "03", "slots computed as one contiguous region",
@@ -271,41 +279,47 @@ NAMED_BUGS: list[NamedBug] = [
         old="""    blocks = block_tables[:, positions // block_size].long()  # (num_seqs, num_positions)
     return blocks * block_size + positions % block_size""",
         new="""    return block_tables[:, :1].long() * block_size + positions  # region * block_size + p""",
-        hint=1),
+        hint=1,
+        caught_by="test_ch03_kv_cache.py::test_each_position_is_found_through_the_block_table"),
     NamedBug(
         "03", "decode does not attend to its own token",
         "every generated token ignores the token before it: text drifts from HF's at once",
         old="""    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]""",
         new="""    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None] - 1""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch03_kv_cache.py::test_decode_attends_to_the_whole_context_itself_included"),
     NamedBug(
         "03", "the scale given is ignored",
         "a model whose attention scale is not head_dim ** -0.5 (or one written with einsum "
         "and no scale) gives other logits",
         old="""        attn_mask=valid[:, None, None, :], scale=scale,""",
         new="""        attn_mask=valid[:, None, None, :], scale=1.0,""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch03_kv_cache.py::test_decode_attends_to_the_whole_context_itself_included"),
     NamedBug(
         "03", "query heads paired with KV heads by repeat, not repeat_interleave",
         "with GQA each query head reads another group's K/V: wrong logits for SmolLM2",
         old="""        keys.transpose(1, 2), values.transpose(1, 2),  # (num_seqs, H_kv, max_len, D)""",
         new="""        keys.repeat(1, 1, num_heads // num_kv_heads, 1).transpose(1, 2),
         values.repeat(1, 1, num_heads // num_kv_heads, 1).transpose(1, 2),""",
-        hint=2),
+        hint=2,
+        caught_by="test_ch03_kv_cache.py::test_query_heads_read_the_kv_head_of_their_group"),
     NamedBug(
         "03", "prefill without the causal mask",
         "each prompt token sees the tokens after it: the prompt's K/V and the first token "
         "are wrong",
         old="""            attn_mask=causal, scale=scale,""",
         new="""            attn_mask=None, scale=scale,""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch03_kv_cache.py::test_store_then_attend_equals_plain_attention"),
     NamedBug(
         "03", "prefill queries placed at positions 0..q_len-1",
         "right for whole prompts, wrong as soon as part of the context is cached (prefix "
         "caching, chunked prefill, a preempted sequence's recompute)",
         old="""        q_pos = torch.arange(context_len - query_len, context_len, device=query.device)""",
         new="""        q_pos = torch.arange(query_len, device=query.device)""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch03_kv_cache.py::test_a_prefill_chunk_attends_to_the_context_already_cached"),
     # -------------------------------------------------------- 06, /metrics
     NamedBug(
         "06", "the latencies observed in milliseconds",
@@ -318,7 +332,8 @@ NAMED_BUGS: list[NamedBug] = [
             m.ttft.observe(ttft * 1000)  # ms
         for itl in iteration_stats.inter_token_latencies_iter:
             m.itl.observe(itl * 1000)""",
-        hint=4),
+        hint=4,
+        caught_by="test_ch06_server.py::test_the_latency_stat_logger_observes_ttft_itl_e2e_and_queue_time"),
     NamedBug(
         "06", "TTFT taken from the request's first step, at its end",
         "the time spent waiting in the queue is missing from TTFT, and TTFT is observed only "
@@ -329,7 +344,8 @@ NAMED_BUGS: list[NamedBug] = [
         new="""        for finished in iteration_stats.finished_requests:
             m.ttft.observe(finished.prefill_time)
 """,
-        hint=4),
+        hint=4,
+        caught_by="test_ch06_server.py::test_the_latency_stat_logger_observes_ttft_itl_e2e_and_queue_time"),
     NamedBug(
         "06", "a counter reports what changed since the last scrape",
         "the counters go down between scrapes: Prometheus sees a reset at every scrape and "
@@ -342,7 +358,8 @@ NAMED_BUGS: list[NamedBug] = [
         last = getattr(self, "_last", {})
         self._last = {**last, name: value}
         family.add_metric([self.model_name], value - last.get(name, 0))""",
-        hint=1),
+        hint=1,
+        caught_by="test_ch06_server.py::test_every_scrape_reads_the_engine_anew"),
     NamedBug(
         "06", "the snapshot read once, when the collector is built",
         "/metrics shows the figures of the server's start forever",
@@ -351,7 +368,8 @@ NAMED_BUGS: list[NamedBug] = [
         new="""        first = snapshot()
         self.snapshot = lambda: first
         self.model_name = model_name""",
-        hint=1),
+        hint=1,
+        caught_by="test_ch06_server.py::test_every_scrape_reads_the_engine_anew"),
     NamedBug(
         "06", "one counter family per finish reason",
         "a second # TYPE line for vllm:request_success_total: Prometheus rejects the scrape",
@@ -366,7 +384,8 @@ NAMED_BUGS: list[NamedBug] = [
                                           labels=["model_name", "finished_reason"])
             success.add_metric([self.model_name, reason], count)
             yield success""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch06_server.py::test_request_success_is_one_metric_with_a_sample_per_reason"),
     # ------------------------------------------------- 07a, the token mask
     NamedBug(
         "07a", "the bits of each word read from the top",
@@ -374,25 +393,29 @@ NAMED_BUGS: list[NamedBug] = [
         old="""    bit = torch.arange(BITS_PER_WORD, device=bitmask.device, dtype=torch.int32)  # (32,)""",
         new="""    bit = BITS_PER_WORD - 1 - torch.arange(BITS_PER_WORD, device=bitmask.device,
                                            dtype=torch.int32)  # (32,)""",
-        hint=1),
+        hint=1,
+        caught_by="test_structured_outputs.py::test_apply_token_bitmask_equals_xgrammars_kernel"),
     NamedBug(
         "07a", "the sign bit tested with > 0",
         "token 31 of every word is never allowed: some valid JSON cannot be written",
         old="""    allowed = ((bitmask.unsqueeze(-1) >> bit) & 1).bool()""",
         new="""    allowed = (bitmask.unsqueeze(-1) & (1 << bit)) > 0""",
-        hint=2),
+        hint=2,
+        caught_by="test_structured_outputs.py::test_the_sign_bit_is_token_31_of_its_word"),
     NamedBug(
         "07a", "the padding bits of the last word kept",
         "a vocabulary that is not a multiple of 32 crashes the step (a shape mismatch)",
         old="""    allowed = allowed.reshape(num_rows, -1)[:, :vocab]  # (num_rows, vocab)""",
         new="""    allowed = allowed.reshape(num_rows, -1)  # (num_rows, words * 32)""",
-        hint=3),
+        hint=3,
+        caught_by="test_structured_outputs.py::test_the_last_words_padding_is_ignored"),
     NamedBug(
         "07a", "disallowed tokens set to 0, not -inf",
         "a disallowed token keeps a probability (e^0 beats every negative logit): the JSON breaks",
         old="""    logits.masked_fill_(~allowed, float("-inf"))""",
         new="""    logits.masked_fill_(~allowed, 0.0)""",
-        hint=4),
+        hint=4,
+        caught_by="test_structured_outputs.py::test_a_disallowed_token_gets_minus_inf_in_place"),
     # ------------------------------------------------------ 08, int8 weights
     NamedBug(
         "08", "one scale for the whole tensor",
@@ -400,13 +423,15 @@ NAMED_BUGS: list[NamedBug] = [
         "degrade, unlike per-channel int8",
         old="""    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)""",
         new="""    scales = w.abs().amax().clamp(min=1e-12).expand(w.shape[0]) / 127  # (N,)""",
-        hint=1),
+        hint=1,
+        caught_by="test_ch08_quantization.py::test_quantize_int8_keeps_int8_and_one_float32_scale_per_row"),
     NamedBug(
         "08", "rounded down with floor",
         "every weight is biased down by half a step on average: the outputs drift",
         old="""    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)""",
         new="""    q = torch.floor(w / scales[:, None]).clamp(-127, 127).to(torch.int8)""",
-        hint=2),
+        hint=2,
+        caught_by="test_ch08_quantization.py::test_every_weight_is_within_half_a_step"),
     NamedBug(
         "08", "a bfloat16 weight quantized in bfloat16",
         "with --dtype bfloat16 the scales are bfloat16 and w / scale only good to 8 bits: "
@@ -415,13 +440,15 @@ NAMED_BUGS: list[NamedBug] = [
     scales = w.abs().amax(dim=1)""",
         new="""    w = weight
     scales = w.abs().amax(dim=1)""",
-        hint=3),
+        hint=3,
+        caught_by="test_ch08_quantization.py::test_bfloat16_weights_are_quantized_in_float32"),
     NamedBug(
         "08", "the scales applied along the input axis",
         "a crash for most layers, and wrong outputs for a square one",
         old="""    out = (acc * scales.float()).to(x.dtype)  # (M, N) * (N,): column n times s[n]""",
         new="""    out = (acc * scales.float()[:, None]).to(x.dtype)""",
-        hint=5),
+        hint=5,
+        caught_by="test_ch08_quantization.py::test_int8_linear_is_the_linear_layer_of_the_dequantized_weight"),
     # ------------------------------------------- 07b, the rejection sampler
     NamedBug(
         "07b", "a draft accepted when it is the most likely token, without a draw",
@@ -429,7 +456,8 @@ NAMED_BUGS: list[NamedBug] = [
         "distribution temperature asked for",
         old="""        if torch.rand((), generator=generator) < probs[draft]:  # accept with p(d)""",
         new="""        if probs[draft] >= probs.max():  # the model agrees with the draft""",
-        hint=2),
+        hint=2,
+        caught_by="test_speculative.py::test_each_draft_is_accepted_with_its_probability"),
     NamedBug(
         "07b", "the replacement sampled from p itself, the draft still in it",
         "a rejected draft comes out anyway, too often: the text is no longer the model's "
@@ -437,27 +465,31 @@ NAMED_BUGS: list[NamedBug] = [
         old="""        residual[draft] = 0.0  # p with d removed; multinomial renormalizes
 """,
         new="",
-        hint=3),
+        hint=3,
+        caught_by="test_speculative.py::test_the_first_token_keeps_the_target_distribution"),
     NamedBug(
         "07b", "each draft judged by the row after it",
         "drafts are checked against the distribution one token later: plausible text, "
         "not the model's",
         old="""        probs = target_probs[j]  # (vocab,)""",
         new="""        probs = target_probs[j + 1]  # (vocab,)""",
-        hint=1),
+        hint=1,
+        caught_by="test_speculative.py::test_each_draft_is_judged_by_the_row_before_it"),
     NamedBug(
         "07b", "no bonus token when every draft is accepted",
         "the step computed a row it throws away: one token fewer per fully accepted step",
         old="""    tokens.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))  # bonus
 """,
         new="",
-        hint=4),
+        hint=4,
+        caught_by="test_speculative.py::test_one_hot_rows_are_greedy_and_a_seed_replays"),
     NamedBug(
         "07b", "the replacement drawn from torch's global generator",
         "a seeded request does not replay once a draft is rejected",
         old="""        tokens.append(int(torch.multinomial(residual, 1, generator=generator)))""",
         new="""        tokens.append(int(torch.multinomial(residual, 1)))""",
-        hint=5),
+        hint=5,
+        caught_by="test_speculative.py::test_every_draw_comes_from_the_generator_and_ids_are_ints"),
 ]
 
 

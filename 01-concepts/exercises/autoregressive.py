@@ -13,11 +13,17 @@ tests/test_ch01_foundation.py): greedy must give exactly the tokens of HF
 `model.generate`, the loop must stop at the right place with the right
 finish reason, and sampling must be greedy, seedable and temperature-aware.
 
-The reference is common/autoregressive.py: peek only when stuck.
+exercises/README.md has the hints; a failing test names the hint to
+read first. Once every test passes, compare your functions with
+common/autoregressive.py, the loop chapter 01's server runs.
 
 Left out on purpose: the KV cache (chapter 03: here every step recomputes
 the whole sequence, O(n^2) token-forwards for n new tokens), batching,
 top-k / top-p and penalties (common/layers/sampler.py, chapter 03).
+Left out too, although common/autoregressive.py has it: `eos_token_ids`,
+which reads the ids that end a reply from the tokenizer and the
+generation config; the tests and the server compute them and hand them
+to your loop as `eos_token_ids`.
 """
 from __future__ import annotations
 
@@ -38,12 +44,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float,
 
     Returns a plain Python int.
     """
-    # Hints:
-    # - torch.argmax gives the greedy id; int(...) turns a 0-d tensor into an int.
-    # - Compute the softmax in float32 (logits.float()): half-precision logits
-    #   lose the small probabilities.
-    # - torch.multinomial(probs, num_samples=1, generator=generator) draws one
-    #   id with probability probs[id].
+    # Stuck? exercises/README.md, hint 2.
     raise NotImplementedError(
         "sample_next_token: return argmax(logits) at temperature 0, otherwise one "
         "draw from softmax(logits / temperature) with `generator`")
@@ -69,14 +70,8 @@ def generate_without_cache(model, prompt_ids: list[int], max_new_tokens: int,
     prompt), and "stop" if the last one is an end-of-sequence token,
     "length" if the loop ran out of `max_new_tokens`.
     """
-    # Hints:
-    # - The model may sit on a GPU: next(model.parameters()).device tells you
-    #   where to build input_ids.
-    # - Each step: input_ids = torch.tensor([token_ids])   # (1, seq_len)
-    #              logits = model(input_ids).logits          # (1, seq_len, vocab)
-    #              and only logits[0, -1]                    # (vocab,) predicts the next id.
-    # - Sample on the CPU (logits.cpu()) with a CPU generator, so that a seed
-    #   gives the same tokens on every device.
+    # The model may sit on a GPU: build input_ids on its device
+    # (next(model.parameters()).device). Stuck? exercises/README.md, hints 1, 3 and 4.
     raise NotImplementedError(
         "generate_without_cache: loop max_new_tokens times: run the model on the whole "
         "sequence, sample from the last row of logits, append; stop after an EOS id")

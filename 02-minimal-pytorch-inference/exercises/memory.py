@@ -14,11 +14,15 @@ Graded by `make exercise CH=02` (the tests marked `ex02` in
 tests/test_ch02_naive.py): the embedded model's 45 KiB per token, the three
 config namings, and "the demo card holds one request but not two".
 
-The reference is common/memory.py: peek only when stuck.
+exercises/README.md has the hints; a failing test names the hint to
+read first. Once every test passes, compare your functions with
+common/memory.py, the ones the server and the card use.
 
-Left out on purpose: activations (estimated by `activation_bytes_estimate`
-in the reference), the weights (`Card.charge_weights`), the card itself
-(`Card`: the budget and the out-of-memory error), quantized caches.
+Left out on purpose, although common/memory.py has them: activations
+(estimated by `activation_bytes_estimate`), the weights
+(`Card.charge_weights`), the card itself (`Card`: the budget and the
+out-of-memory error). This exercise is the KV cache's arithmetic; the
+card around it is given. Left out of both: quantized caches.
 """
 from __future__ import annotations
 
@@ -44,8 +48,7 @@ def kv_cache_shape(config) -> tuple[int, int, int]:
 
     Returns three ints, e.g. (30, 3, 64) for SmolLM2-135M.
     """
-    # Hint: getattr(config, "num_key_value_heads", None) gives None where the
-    # attribute does not exist, so `getattr(...) or fallback` reads either name.
+    # Stuck? exercises/README.md, hints 1 to 3.
     raise NotImplementedError(
         "kv_cache_shape: read layers, KV heads and head_dim from the config "
         "(Llama names or GPT-2 names; KV heads default to the query heads)")
@@ -60,7 +63,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
         and torch.float16: 2 bytes).
     Returns an int: 46080 (45 KiB) for SmolLM2-135M in float32.
     """
-    # Hint: torch.empty((), dtype=dtype).element_size() is the bytes per element.
+    # Stuck? exercises/README.md, hint 4.
     raise NotImplementedError(
         "kv_bytes_per_token: 2 x layers x kv_heads x head_dim x bytes per element")
 

@@ -29,13 +29,19 @@ pass and the whole engine with your three functions as its attention, and
 compare against attention written out with a softmax, against HF's logits,
 and against HF `model.generate`'s greedy tokens.
 
-The reference is common/layers/attention.py (plain PyTorch); the Triton
-kernels of common/layers/triton_kernels.py have the same interface (chapter
-04). Peek only when stuck.
+exercises/README.md has the hints; a failing test names the hint to read
+first. Once every test passes, compare your functions with
+common/layers/attention.py (plain PyTorch, what the engine runs on the
+CPU beside a C++ decode kernel); the Triton kernels of
+common/layers/triton_kernels.py have the same interface (chapter 04).
 
-Left out on purpose: speed (a loop over sequences is fine here), the
-online softmax of the Triton kernels, sliding windows, ALiBi, soft-capping,
-FP8 caches.
+Left out on purpose: speed (a loop over sequences is fine here; the
+course's functions do the whole batch at once, with `gather_slots` and
+`gather_kv`), the online softmax of the Triton kernels. Given, not
+written here: `paged_attention` and `AttentionMetadata` in
+common/layers/attention.py, which split a step's flat batch into decodes
+and prefills and call your three functions. Left out of both: sliding
+windows, ALiBi, soft-capping, FP8 caches.
 """
 from __future__ import annotations
 
@@ -55,10 +61,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     Returns nothing: after the call, slot slot_mapping[t] of k_cache holds
     key[t] (and the same for v_cache and value).
     """
-    # Hints:
-    # - k_cache.view(-1, num_kv_heads, head_dim) is the same memory seen as
-    #   (num_slots, num_kv_heads, head_dim): writing into the view writes the cache.
-    # - flat[slot_mapping] = key, or flat.index_copy_(0, slot_mapping, key).
+    # Stuck? exercises/README.md, hint 1.
     raise NotImplementedError(
         "store_kvcache: view the caches as (num_slots, num_kv_heads, head_dim) and write "
         "key[t], value[t] at row slot_mapping[t]")
@@ -83,13 +86,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Grouped-query attention: num_heads may be a multiple of num_kv_heads;
     query head h reads KV head h // (num_heads // num_kv_heads).
     """
-    # Hints, for sequence i with n = context_lens[i]:
-    # - positions = torch.arange(n); slots from block_tables[i] (the formula
-    #   in the module docstring)                                  # (n,)
-    # - keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]    # (n, num_kv_heads, head_dim)
-    # - keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (n, num_heads, head_dim)
-    # - scores = q . k * scale per head                           # (num_heads, n)
-    #   softmax over the n positions (in float32), weights @ values.
+    # Stuck? exercises/README.md, hints 1 to 3.
     raise NotImplementedError(
         "paged_decode_attention: for each sequence, gather its context_lens[i] keys and "
         "values through block_tables[i], then softmax(q . k * scale) @ v for each head")
@@ -118,12 +115,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     Causal: the query at position p sees keys at positions 0..p, never later.
     Returns (num_tokens, num_heads, head_dim), in query's dtype.
     """
-    # Hints, for sequence i:
-    # - q = query[start:end]                                      # (q_len, num_heads, head_dim)
-    # - keys and values of positions 0..n-1, as in decode         # (n, num_heads, head_dim)
-    # - scores                                                    # (num_heads, q_len, n)
-    # - mask: key position k > query position (n - q_len + j) -> -inf, before the softmax.
-    # - write the result into rows start:end of an output made with torch.empty_like(query).
+    # Stuck? exercises/README.md, hint 4.
     raise NotImplementedError(
         "paged_prefill_attention: for each sequence, gather its context through "
         "block_tables[i] and attend causally: query j (position n - q_len + j) sees keys 0..that")

@@ -15,14 +15,24 @@ sequence finishes or is preempted. The model runner only reads
 `block_table[i // block_size] * block_size + i % block_size`.
 
 Graded by `make exercise CH=04` (the tests marked `ex04` in
-tests/test_ch04_paged.py, tests/test_ch03_kv_cache.py and
-tests/test_ch05_scheduler.py), which builds the real engine with your
-class. The reference is common/engine/block_manager.py: peek only when
-stuck. exercises/README.md has the tasks in order and hints.
+tests/test_ch04_paged.py, tests/test_block_manager_invariants.py,
+tests/test_scheduler_invariants.py, tests/test_ch03_kv_cache.py and
+tests/test_ch05_scheduler.py), which build the real engine with your
+class too. exercises/README.md has the
+tasks in order and the hints; a failing test names the hint to read
+first. Once every test passes, compare your class with
+common/engine/block_manager.py, the one the servers run.
 
 Given: `Block`, `KVCacheUsage` (what `usage` returns), the constructor's
-state, `_block_tokens`. Left out, as in the reference: swapping blocks to
-CPU memory, copy-on-write (beam search), sliding-window blocks.
+state, `_block_tokens`. Left out, as in the course's class: swapping
+blocks to CPU memory, copy-on-write (beam search), sliding-window blocks.
+
+Left out on purpose, although the course's class has them: the
+`num_lookahead_tokens` argument of `can_append` and `may_append` (room
+for draft tokens after the newest one) and `free_blocks_past_end` (giving
+back the blocks that only rejected drafts used). Both serve chapter 07's
+speculative decoding, which comes later; the tests that grade this
+exercise never pass drafts, and chapter 07 runs the course's class.
 
 Which fields of a `Sequence` (common/engine/sequence.py) you write:
 `block_table`, `num_computed_tokens` (only in `allocate`, to the cached
@@ -43,7 +53,8 @@ def compute_block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int
     this block's token ids, so that it depends on every token before it.
 
     Call it by its name from your methods (`compute_block_hash(...)`), not
-    through a saved reference: a test replaces it to force collisions.
+    through a saved copy: two tests replace it (one forces collisions,
+    one counts the calls).
     """
     # Hint: Python's built-in hash() of a tuple is enough here.
     raise NotImplementedError("compute_block_hash: return a hash of (prev_hash, token_ids)")
@@ -103,15 +114,13 @@ class BlockManager:
         sequence's last token. A hit counts only if the cached block's
         token ids are seq's own (a hash collision must never hand out
         someone else's K/V).
+
+        `seq.block_hashes` keeps the hashes of seq's full blocks: each block
+        is hashed once in the sequence's life (a test counts the calls).
         """
         if not self.enable_prefix_caching:
             return []
-        # Hints:
-        # - seq.block_hashes keeps the hashes of seq's full blocks, computed
-        #   once each in the sequence's life: extend it with
-        #   compute_block_hash(previous hash or None, self._block_tokens(seq, j))
-        #   only for the blocks not hashed yet (a test counts the calls).
-        # - how many blocks may be reused at most: (seq.num_tokens - 1) // block_size.
+        # Stuck? exercises/README.md, hints 5, 6 and 7.
         raise NotImplementedError("_cached_prefix: the block ids of seq's cached prefix")
 
     # ------------------------------------------------------- the API
@@ -132,10 +141,9 @@ class BlockManager:
         the prefix cache). With prefix caching on, counts the full prompt
         blocks looked up (`prefix_queries`) and found (`prefix_hits`).
         """
-        # Hints:
-        # - a fresh block comes from the front of the free list; if it still
-        #   carries an old hash, that hash leaves hash_to_block (it is evicted).
-        # - a reused block: ref_count + 1, and out of the free list if it was free.
+        # A fresh block comes from the front of the free list. Stuck on the
+        # blocks of a cache hit, or on a fresh block that still carries an old
+        # hash? exercises/README.md, hints 8, 9 and 11.
         raise NotImplementedError("allocate: reuse the cached prefix, then take free blocks")
 
     def can_append(self, seq: Sequence) -> bool:
@@ -154,8 +162,7 @@ class BlockManager:
         `seq.num_registered_blocks` says how many already are."""
         if not self.enable_prefix_caching:
             return
-        # Hint: count by num_computed_tokens, not num_tokens: the newest
-        # sampled token has no K/V yet, so its block is not computed.
+        # Stuck? exercises/README.md, hint 10.
         raise NotImplementedError("cache_full_blocks: set hash and token_ids of new full blocks")
 
     def deallocate(self, seq: Sequence) -> None:
@@ -164,8 +171,7 @@ class BlockManager:
         a later prompt may still hit it). Resets seq's block table,
         `num_computed_tokens` and `num_registered_blocks`; keeps
         `block_hashes` (the tokens did not change)."""
-        # Hint: free the last block first, so the prefix's first blocks,
-        # the most shareable, stay in the cache longest.
+        # Stuck? exercises/README.md, hint 3.
         raise NotImplementedError("deallocate: drop seq's references, free unused blocks")
 
     # ------------------------------------------------------- accounting
@@ -179,7 +185,5 @@ class BlockManager:
         waste_perc = 100 x (reserved - used) / reserved, 0 when nothing
         is reserved). The engine calls it after every step for /stats.
         """
-        # Hint: the slots of seq's block table that hold computed tokens are
-        # its first num_computed_tokens; a shared prefix block is full, so
-        # each extra reader adds block_size slots too many to a plain sum.
+        # Stuck? exercises/README.md, hint 4.
         raise NotImplementedError("usage: reserved and used slots, and the waste")

@@ -26,15 +26,27 @@ long_prefill_token_threshold=...)` and calls `add`,
 `running`, `waiting`, `num_preemptions` and `max_num_seqs`.
 
 Graded by `make exercise CH=05`: the tests marked `ex05` in
-tests/test_scheduler_unit.py (the scheduler alone, fake model outputs,
-seconds) and tests/test_ch05_scheduler.py (the real engine: your
-scheduler must give HF's greedy tokens). The reference is
-`Scheduler` + `ContinuousScheduler` in common/engine/scheduler.py: peek
-only when stuck. exercises/README.md has the tasks in order and hints.
+tests/test_scheduler_unit.py and tests/test_scheduler_invariants.py (the
+scheduler alone, fake model outputs, seconds) and
+tests/test_ch05_scheduler.py (the real engine: your scheduler must give
+HF's greedy tokens). exercises/README.md has the tasks in order and the
+hints; a failing test names the hint to read first. Once every test
+passes, compare your class with `Scheduler` + `ContinuousScheduler` in
+common/engine/scheduler.py, the one the servers run.
 
 Given: the constructor, `add`, `has_unfinished`, `finish`. Left out, as in
-the reference: priorities, swapping preempted blocks to CPU memory, a
-watermark of spare blocks, fairness between clients.
+the course's scheduler: priorities, swapping preempted blocks to CPU
+memory, a watermark of spare blocks, fairness between clients.
+
+Left out on purpose, although the course's scheduler has them: the
+static policy of chapters 03-04 (`StaticScheduler`: the course writes the
+step once, in `Scheduler`, and each policy only decides `make_room` and
+`may_admit`; here you write one policy whole, so the step is yours too),
+and the hooks chapter 07's `SpeculativeScheduler` overrides to book
+draft tokens and roll back the rejected ones (`schedule_running`,
+`append_sampled`). Speculative decoding comes in chapter 07, which runs
+the course's scheduler; the tests that grade this exercise give one
+token per step.
 """
 from __future__ import annotations
 
@@ -81,23 +93,11 @@ class ContinuousScheduler:
         `max_num_seqs` sequences running or `max_num_batched_tokens`
         tokens in one batch.
         """
-        # 1. Running sequences, oldest first (loop over a copy: preempting
-        #    changes self.running), while the token budget lasts:
-        #    - a sequence preempted a moment ago (status WAITING) is skipped;
-        #    - make room for its next token: while not self.bm.can_append(seq),
-        #      preempt the newest running sequence (self.running[-1]); if that
-        #      was seq itself, seq does not run this step. Then self.bm.may_append(seq);
-        #    - it feeds min(tokens not computed yet, budget left), and at most
-        #      self.long_prefill_token_threshold tokens when that is > 0.
-        # 2. Only if nobody was preempted in this step (the cache is under
-        #    pressure: do not add to it), admit from the front of `waiting`
-        #    while there is budget, len(running) < max_num_seqs and
-        #    self.bm.can_allocate(seq): popleft, self.bm.allocate(seq) (it sets
-        #    num_computed_tokens to the cached prefix), status RUNNING, append
-        #    to running, feed the same amount as in 1. (one helper serves both).
-        #    Stop at the first one that does not fit (first come, first served).
-        # Do not move num_computed_tokens here: update_from_output does,
-        # once the step has run (ScheduledSeq.samples reads it as it is now).
+        # 1. The running sequences, oldest first, while the token budget
+        #    lasts; a decode needs a slot for its newest token (self.bm), and
+        #    when there is none, a running sequence is preempted.
+        # 2. Then waiting sequences join, first come first served.
+        # Stuck? exercises/README.md, hints 1 and 3 to 5.
         raise NotImplementedError("schedule: running first (make room, preempt the newest), "
                                   "then admit waiting sequences; return the ScheduledSeqs")
 
@@ -105,8 +105,9 @@ class ContinuousScheduler:
         """Preemption by recompute: free seq's blocks and put it back at the
         front of `waiting`, status WAITING. Counts it (`num_preemptions`,
         and `seq.num_preemptions`). Its output tokens are kept."""
-        # Hint: self.bm.deallocate(seq) empties the block table and sets
-        # num_computed_tokens back to 0 (its K/V are gone).
+        # self.bm.deallocate(seq) empties the block table and sets
+        # num_computed_tokens back to 0 (its K/V are gone). Stuck?
+        # exercises/README.md, hint 6.
         raise NotImplementedError("preempt: out of running, blocks freed, front of waiting")
 
     # ------------------------------------------------------- after a step
@@ -117,19 +118,12 @@ class ContinuousScheduler:
 
         `sampled` maps each sequence that sampled (its last prompt chunk
         or a decode) to its new tokens, a list of `SampledToken` (one
-        here; chapter 06's speculative decoding gives several), or to
+        here; chapter 07's speculative decoding gives several), or to
         `SamplingFailed` when sampling that row raised. Returns the sequences that got a new
         token or failed (finished ones included), not the prefill chunks
         that did not sample.
         """
-        # For each scheduled item:
-        # - seq.num_computed_tokens += item.num_new_tokens (the one writer after a step),
-        #   then self.bm.cache_full_blocks(seq) (prefix caching: the blocks just filled);
-        # - no entry in `sampled`: a prompt chunk that is not the last, nothing more;
-        # - SamplingFailed: self.finish(seq, "error", f"sampling failed: {token.error!r}");
-        # - a list of SampledToken: for each, seq.append(token), then
-        #   reason = seq.check_stop(self.eos_token_ids, self.max_model_len);
-        #   finish it (and stop there) if reason is not None.
+        # Stuck? exercises/README.md, hints 1 and 2.
         raise NotImplementedError("update_from_output: advance num_computed_tokens, append, "
                                   "finish on stop/length/error")
 

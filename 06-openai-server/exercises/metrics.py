@@ -16,23 +16,28 @@ server (or Grafana, or `curl`) can read:
   finished its end-to-end latency and queue time, into the histograms
   of the `Metrics` object it is given.
 
-`Metrics` (the registry and the histograms) stays the reference's, in
-common/entrypoints/metrics.py: read it first, for the histograms' names
-and how `Metrics(..., collector_cls=..., latency_logger_cls=...)` builds
-your two classes (`Metrics.record`, which the engine calls after each
-step, calls your `record`).
+`Metrics` (the registry and the histograms) is given, the course's own,
+in common/entrypoints/metrics.py: its histograms are `ttft`, `itl`, `e2e`
+and `queue_time`, and `Metrics(..., collector_cls=...,
+latency_logger_cls=...)` builds your two classes (`Metrics.record`,
+which the engine calls after each step, calls your `record`).
 
 Graded by `make exercise CH=06` (the tests marked `ex06` in
 tests/test_ch06_server.py: the collector on a fixed snapshot, the logger
-on three steps' IterationStats, then /metrics of a served engine). The
-reference is common/entrypoints/metrics.py: peek only when stuck.
-exercises/README.md has the tasks in order and hints.
+on three steps' IterationStats, then /metrics of a served engine).
+exercises/README.md has the tasks in order and the hints; a failing test
+names the hint to read first. Once every test passes, compare your
+classes with `EngineCollector` and `LatencyStatLogger` in
+common/entrypoints/metrics.py, the ones the server runs.
 
-Given: `LatencyStatLogger.__init__`. Left out of the exercise, done by
-the reference: the tokens-per-step histogram and the speculative-decoding
-counters (its collector), the histograms of each request's tokens,
-parameters and prefill, decode and inference times (`Metrics.record`,
-`Metrics.record_parent`). Left out of both: the LoRA metrics.
+Given: `LatencyStatLogger.__init__`. Left out on purpose, although the
+course's classes do them: the tokens-per-step histogram and the
+speculative-decoding counters (its collector yields them; drafts come in
+chapter 07), the histograms of each request's tokens, parameters and
+prefill, decode and inference times (`Metrics.record`,
+`Metrics.record_parent`). The exercise keeps the two ideas, reading at
+scrape time and observing what the engine timed; the rest is more of
+the same. Left out of both: the LoRA metrics.
 """
 from __future__ import annotations
 
@@ -76,12 +81,8 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         """Yield every metric of the table above (prometheus_client calls
         this at each scrape of the registry)."""
-        # Hints:
-        # - family = GaugeMetricFamily(name, documentation, labels=["model_name"])
-        #   family.add_metric([self.model_name], value); yield family
-        #   (CounterMetricFamily works the same way).
-        # - read alive() first: a scrape must still say 0 when the engine has died.
-        # - call self.snapshot() once per collect(): all figures from one moment.
+        # Read alive() first: a scrape must still say 0 when the engine has
+        # died. Stuck? exercises/README.md, hints 1 to 3.
         raise NotImplementedError("collect: yield the gauges and counters of one snapshot()")
 
 

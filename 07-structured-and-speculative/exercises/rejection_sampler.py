@@ -26,17 +26,25 @@ builds `target_probs` (penalties, temperature, top-k/p and the grammar's
 mask already applied: the same p as the plain sampler would use) and
 calls `rejection_sample` for each sequence that is sampled, not greedy.
 
-Graded by `make exercise CH=07b` (the 3 tests marked `ex07b` in
+Graded by `make exercise CH=07b` (the tests marked `ex07b` in
 tests/test_speculative.py, which call your function: over 20,000 trials
 the first token emitted follows p, and after an accepted draft the next
 one follows the next row; one-hot rows behave as greedy, with the bonus
-token, and a seeded generator replays). The reference is
-`rejection_sample` in common/layers/rejection_sampler.py: peek only when
-stuck. exercises/README-07b.md has the tasks and hints.
+token, and a seeded generator replays). exercises/README-07b.md has the
+tasks and the hints; a failing test names the hint to read first. Once
+every test passes, compare your function with `rejection_sample` in
+common/layers/rejection_sampler.py, the one the engine runs.
 
-Left out, as in the reference: drafts with a distribution of their own
-(a draft model's q: accept with min(1, p / q), residual max(0, p - q)),
-a batched GPU kernel (vLLM's are in Triton), tree attention.
+Left out on purpose, although the course's module has them:
+`greedy_verify` (greedy requests skip this rule: a draft is accepted
+exactly when it is the argmax) and `RejectionSampler`, which turns each
+sequence's k + 1 rows of logits into `target_probs` (penalties,
+temperature, top-k/p, the grammar's mask) and returns tokens with their
+logprobs. The exercise is the rule itself; the rest is the plain
+sampler's work, done the same way. Left out of both: drafts with a
+distribution of their own (a draft model's q: accept with min(1, p / q),
+residual max(0, p - q)), a batched GPU kernel (vLLM's are in Triton),
+tree attention.
 """
 from __future__ import annotations
 
@@ -55,15 +63,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
     sampled at the first rejection, or the bonus token from the last row
     when all k are accepted. Between 1 and k + 1 ids, as Python ints.
     """
-    # Hints (README-07b.md has more):
-    # - draft j (0-based in the list) is checked against row j:
-    #   target_probs[j][draft] is p_{j-1}(d_j) of the rule above.
-    # - a uniform number: torch.rand((), generator=generator), one per
-    #   draft checked, in order.
-    # - sampling from a row: torch.multinomial(row, 1, generator=generator);
-    #   it renormalizes for you, so "p with d removed" is a copy of the row
-    #   with that one entry set to 0 (clone first: never change target_probs).
-    # - stop at the first rejection: the rows after it are not used.
+    # Never write into target_probs: it belongs to the caller.
+    # Stuck? exercises/README-07b.md, hints 1 to 5.
     raise NotImplementedError("rejection_sample: accept each draft with probability p(d), "
                               "resample from p without d at the first rejection, or add a "
                               "bonus token from the last row")

@@ -19,18 +19,22 @@ bitmask)` on the rows of the step's constrained sequences
 (`StructuredOutputManager.apply` in common/engine/structured_output.py,
 a logits processor of the model runner), then samples as usual.
 
-Graded by `make exercise CH=07a` (the 7 tests marked `ex07a` in
+Graded by `make exercise CH=07a` (the tests marked `ex07a` in
 tests/test_structured_outputs.py, which call your function: against
 xgrammar's own `apply_token_bitmask_inplace` on random masks, float32
 and bfloat16, vocabularies of 49,152, 100 and 33 tokens; then in a plain
 generation loop of the embedded model, where every sampled answer must
-validate against its JSON schema). The reference is
-common/layers/token_bitmask.py: peek only when stuck.
-exercises/README.md has the tasks and hints.
+validate against its JSON schema). exercises/README.md has the tasks
+and the hints; a failing test names the hint to read first. Once every
+test passes, compare your function with common/layers/token_bitmask.py,
+the one the engine runs.
 
 Given: `allocate_token_bitmask` (every bit set: every token allowed).
-Left out, as in the reference: a fused kernel (vLLM calls xgrammar's
-CUDA or Triton one; this works in plain PyTorch on any device).
+Left out, as in the course's function: a fused kernel (vLLM calls
+xgrammar's CUDA or Triton one; this works in plain PyTorch on any
+device). Nothing else: the course's module is these two functions, and
+the grammar that fills the bitmask (xgrammar's matcher, driven by
+common/engine/structured_output.py) is given.
 """
 from __future__ import annotations
 
@@ -56,14 +60,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
              The last word may cover tokens past `vocab` (when vocab is not
              a multiple of 32): ignore those bits.
     """
-    # Hints (README.md has more):
-    # - unpack every word into its 32 bits at once, with broadcasting:
-    #   shift (num_rows, words, 1) by torch.arange(32) (shape (32,)), then & 1
-    #   -> (num_rows, words, 32); bit j of word w is token w * 32 + j.
-    # - bit 31 is the sign bit: an arithmetic shift right copies it, which
-    #   is why the `& 1` matters.
-    # - reshape to (num_rows, words * 32), keep the first `vocab` columns,
-    #   then one masked_fill_ with the tokens NOT allowed.
-    # - in place: write into `logits` itself (masked_fill_), do not return a copy.
+    # No Python loop over the tokens: unpack every word at once.
+    # Stuck? exercises/README.md, hints 1 to 4.
     raise NotImplementedError("apply_token_bitmask: set the logit of every token whose bit "
                               "is 0 to -inf, in place")

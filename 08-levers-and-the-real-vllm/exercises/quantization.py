@@ -25,13 +25,20 @@ tests/test_ch08_quantization.py, which call your functions: on random
 weights built to expose the classic mistakes, on the embedded model's
 own weights, then in the engine, where your two functions quantize every
 linear layer of the embedded model and its greedy tokens must be the
-reference's). The reference is `quantize_int8` and `int8_linear` in
-common/layers/quantization.py: peek only when stuck. exercises/README.md
-has the tasks and hints.
+course's own). exercises/README.md has the tasks and the hints; a
+failing test names the hint to read first. Once every test passes,
+compare your functions with `quantize_int8` and `int8_linear` in
+common/layers/quantization.py.
 
-Left out, as in the reference: int4 (groups of 32 along k with an offset:
-`quantize_int4`), the fast kernels (PyTorch's packed CPU ones, the Triton
-ones of common/layers/quant_kernels.py), activation quantization (W8A8).
+Left out on purpose, although the course has them: int4 (groups of 32
+along k with an offset: `quantize_int4`, `pack_int4`; its scales change
+along k, so the weight is dequantized instead), and the fast kernels
+(`CpuPackedQuantOps`, PyTorch's packed CPU ones, and the Triton ones of
+common/layers/quant_kernels.py), which the server runs. int8 per
+channel is the one scheme whose scale leaves the sum; the kernels make
+the same product fast. Given: `QuantLinear`, `quantize_linears` and the
+ops interface the engine calls. Left out of both: activation
+quantization (W8A8).
 """
 from __future__ import annotations
 
@@ -52,14 +59,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channel): its qweight is 0 and its scale a tiny positive number,
     never 0 and never NaN.
     """
-    # Hints (README.md has more):
-    # - one scale per row: reduce over dim=1 (the k axis), keep (N,).
-    # - the largest |w|, not the largest w: a row whose biggest weight is
-    #   negative is the common case, not a corner.
-    # - compute in float32 whatever the weight's dtype (bfloat16 has 8
-    #   significant bits: 127.4 is not a bfloat16 number).
-    # - round to the nearest integer; .to(torch.int8) alone truncates, and
-    #   a value outside [-128, 127] wraps around (128 becomes -128).
+    # Stuck? exercises/README.md, hints 1 to 4.
     raise NotImplementedError("quantize_int8: return (qweight int8 (N, K), scales float32 (N,)), "
                               "symmetric, one scale per output row")
 
@@ -79,10 +79,6 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     look at the sum behind one output, y[m, n] = sum_k x[m, k] q[n, k] s[n],
     and at what depends on k.
     """
-    # Hints (README.md has more):
-    # - PyTorch has no int8 x float matmul: convert qweight to float for the
-    #   product (a GPU kernel converts one tile at a time, in registers).
-    # - the weight is stored (out, in), as nn.Linear's: y = x @ W.T.
-    # - accumulate in float32 (x.float()), return in x's dtype.
+    # Stuck? exercises/README.md, hints 5 and 6.
     raise NotImplementedError("int8_linear: return x @ (qweight * scales[:, None]).T + bias, "
                               "(M, N) in x's dtype")

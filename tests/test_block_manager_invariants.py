@@ -144,6 +144,15 @@ def test_a_pool_of_one_block_works_and_of_none_is_refused(impl):
         impl.BlockManager(0, 4)
 
 
+def test_prefix_caching_is_off_unless_asked_for(impl):
+    """`BlockManager(num_blocks, block_size)` caches no prefix (vLLM's
+    `--enable-prefix-caching` is a choice): two equal prompts share nothing."""
+    pool = Pool(impl.BlockManager(8, 4))
+    first = computed_prompt(pool, "first", [1, 2, 3, 4, 5])
+    second = computed_prompt(pool, "second", [1, 2, 3, 4, 5])
+    assert second.num_cached_tokens == 0 and not set(first.block_table) & set(second.block_table)
+
+
 def test_the_block_freed_first_is_handed_out_first(impl):
     """Lazy eviction, oldest first: freed blocks keep their K/V (and their
     place in the prefix cache) until the space is needed, and the one freed

@@ -74,9 +74,9 @@ exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests an
 	$(PY) -m tests.check_exercises
 
 MUTMUT_VERSION := 3.8.1
-mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08) SUITE=both|grading|engine: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
+mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08) SUITE=both|grading|engine RESUME=1: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install --quiet mutmut==$(MUTMUT_VERSION)
-	$(PY) -m tests.mutation $(CH) --suite $(or $(SUITE),both)
+	$(PY) -m tests.mutation $(CH) --suite $(or $(SUITE),both) $(if $(RESUME),--resume)
 
 demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -> OOM
 	-$(PY) -m bench.loadtest --chapter 02 --clients 2 --max-tokens 32 --device-memory-gb $(DEMO_CARD) --dtype $(DTYPE)

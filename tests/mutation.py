@@ -19,6 +19,11 @@ survivor is not explained.
 
     python -m tests.mutation 04                 # both suites
     python -m tests.mutation 04 --suite grading
+    python -m tests.mutation 04 --suite grading --resume   # after a new test
+
+`--resume` keeps the last run's copy: it refreshes the copy's tests and
+sources, runs the mutants not checked yet (an interrupted run, a changed
+function) and the survivors again, and adds its time to the last run's.
 
 It runs in .mutants/exNN-<suite>/ (git ignores it), a copy of the tree,
 with mutmut's forked workers (2 on 2 cores); only the tests that execute
@@ -161,6 +166,24 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "torch.rand draws from [0, 1) in steps of 2**-24: `<=` accepts more only when the "
         "draw equals p(d) exactly, once in 16 million draws (a draft of probability 0 "
         "accepted when the draw is 0.0)",
+    # ------------------------------------------------------ 08, int8 weights
+    ("08", "q = torch.round(w / scales[:, None]).clamp(None, 127).to(torch.int8)"):
+        "a dead clamp in float32: each scale is its row's largest |w| / 127, from the same "
+        "float32 w, so |w / scale| <= 127 within a rounding (127.00003 at most), which "
+        "torch.round makes 127; the clamp guards a scale computed in lower precision "
+        "(bfloat16: test_bfloat16_weights_are_quantized_in_float32 catches that)",
+    ("08", "q = torch.round(w / scales[:, None]).clamp(-127, None).to(torch.int8)"):
+        "a dead clamp in float32: |w / scale| <= 127 within a rounding, which torch.round "
+        "makes 127 (see the clamp(None, 127) mutant)",
+    ("08", "q = torch.round(w / scales[:, None]).clamp(-127, ).to(torch.int8)"):
+        "a dead clamp in float32: |w / scale| <= 127 within a rounding, which torch.round "
+        "makes 127 (see the clamp(None, 127) mutant)",
+    ("08", "q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)"):
+        "a dead clamp in float32: w / scale never rounds below -127 (see the "
+        "clamp(None, 127) mutant)",
+    ("08", "q = torch.round(w / scales[:, None]).clamp(-127, 128).to(torch.int8)"):
+        "a dead clamp in float32: w / scale never rounds above 127 (see the "
+        "clamp(None, 127) mutant)",
 }
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
@@ -204,14 +227,34 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
                         ignore=shutil.ignore_patterns("*.flock", "lock"))
 
 
-def run_mutmut(workdir: Path, exercise: str) -> float:
-    patterns = [f"{module_name(exercise)}.{p}" for p in TARGETS[exercise].functions]
+def refresh(workdir: Path) -> None:
+    """For --resume: the last run's copy gets today's tests and sources;
+    mutmut re-mutates only the functions whose source changed."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".cache")
+    for name in ("common", "tests", "bench"):
+        shutil.copytree(ROOT / name, workdir / name, ignore=ignore, dirs_exist_ok=True)
+
+
+def run_mutmut(workdir: Path, exercise: str, names: list[str] | None = None) -> float:
+    """mutmut on the exercise's functions (the mutants not checked yet), or
+    on the named mutants (checked again); returns the seconds it took."""
+    patterns = names or [f"{module_name(exercise)}.{p}" for p in TARGETS[exercise].functions]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1")
     start = time.monotonic()
     mutmut = Path(sys.executable).with_name("mutmut")
     subprocess.run([str(mutmut), "run", "--max-children", str(os.cpu_count() or 2), *patterns],
                    cwd=workdir, env=env, check=True)
     return time.monotonic() - start
+
+
+def last_run_minutes(exercise: str, suite: str) -> float:
+    """The time the results file records (0 when there is none)."""
+    import re
+    path = RESULTS / f"mutants-ex{exercise}-{suite}.md"
+    if not path.exists():
+        return 0.0
+    row = re.search(r"^\|(?: [\d.]+ \|){6} ([\d.]+) min", path.read_text(), re.M)
+    return float(row.group(1)) if row else 0.0
 
 
 def module_name(exercise: str) -> str:
@@ -244,7 +287,7 @@ def changed_line(diff: str) -> str:
 
 
 def write_results(exercise: str, suite: str, statuses: dict[str, str], seconds: float,
-                  workdir: Path) -> tuple[Path, list[str]]:
+                  workdir: Path, resumed: bool = False) -> tuple[Path, list[str]]:
     from bench.bench import bf16_words, measurement_machine
     counts: dict[str, int] = {}
     for status in statuses.values():
@@ -272,9 +315,11 @@ def write_results(exercise: str, suite: str, statuses: dict[str, str], seconds: 
                   "model)")
     out = [f"# Mutation testing: exercise {exercise}, {suite} tests",
            "",
-           f"Measured {date.today().isoformat()} with `make mutants CH={exercise}` "
-           f"(`python -m tests.mutation {exercise} --suite {suite}`), mutmut "
-           f"{mutmut_version()}.",
+           f"Measured {date.today().isoformat()} with `make mutants CH={exercise} "
+           f"SUITE={suite}{' RESUME=1' if resumed else ''}` (`python -m tests.mutation "
+           f"{exercise} --suite {suite}{' --resume' if resumed else ''}`), mutmut "
+           f"{mutmut_version()}" + (", after a first run: the time is both runs'."
+                                    if resumed else "."),
            f"Machine: {machine['cpu']}, {machine['cores']} cores, {bf16_words(machine)}; "
            f"load average at the end {os.getloadavg()[0]:.1f}.",
            "",
@@ -322,15 +367,28 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exercise", choices=sorted(TARGETS))
     parser.add_argument("--suite", choices=["grading", "engine", "both"], default="both")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the last run's copy: check the mutants left and the survivors")
     args = parser.parse_args(argv)
     suites = ["grading", "engine"] if args.suite == "both" else [args.suite]
     failed = False
     for suite in suites:
         workdir = ROOT / ".mutants" / f"ex{args.exercise}-{suite}"
-        prepare(workdir, args.exercise, suite)
-        seconds = run_mutmut(workdir, args.exercise)
+        resumed = args.resume and (workdir / "mutants").exists()
+        if resumed:
+            refresh(workdir)
+            seconds = 60 * last_run_minutes(args.exercise, suite)
+            seconds += run_mutmut(workdir, args.exercise)  # those not checked yet
+            survivors = [name for name, status in collect(workdir, args.exercise).items()
+                         if status == "survived"]
+            if survivors:
+                seconds += run_mutmut(workdir, args.exercise, survivors)
+        else:
+            prepare(workdir, args.exercise, suite)
+            seconds = run_mutmut(workdir, args.exercise)
         statuses = collect(workdir, args.exercise)
-        path, unexplained = write_results(args.exercise, suite, statuses, seconds, workdir)
+        path, unexplained = write_results(args.exercise, suite, statuses, seconds, workdir,
+                                          resumed)
         print(f"wrote {path.relative_to(ROOT)}")
         for name in unexplained:
             print(f"  survivor not explained: {name}")

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -102,6 +103,11 @@ def test_kv_cache_shape_reads_every_config_naming(impl):
     assert impl.kv_cache_shape(explicit) == (2, 8, 128)
     # GPT-2 in float32: 2 x 12 x 12 x 64 x 4 = 72 KiB per token
     assert impl.kv_bytes_per_token(gpt2, torch.float32) == 73728
+    # GPT-2's config.json as it is on disk, its own names only (GPT2Config
+    # maps num_hidden_layers & co to them; a plain object does not)
+    raw = SimpleNamespace(n_embd=768, n_layer=12, n_head=12, vocab_size=50257)
+    assert impl.kv_cache_shape(raw) == (12, 12, 64), (
+        "a config with only GPT-2's names: n_layer, n_head, n_embd")
 
 
 @pytest.mark.ex02
@@ -112,7 +118,8 @@ def test_demo_card_holds_one_request_but_not_two(embedded, impl):
     card.charge_weights(embedded.model)
     one_request = impl.static_cache_bytes(embedded.model.config, torch.float32, 8192)
     assert one_request == 46080 * 8192  # 360 MiB, whatever the prompt's length
-    assert impl.static_cache_bytes(embedded.model.config, torch.float32, 1000) == 46080 * 1000
+    # in the dtype given, for the max_model_len given
+    assert impl.static_cache_bytes(embedded.model.config, torch.bfloat16, 1000) == 23040 * 1000
     assert card.free_bytes() > one_request
     assert card.free_bytes() < 2 * one_request
 

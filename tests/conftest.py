@@ -64,9 +64,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """start_server("05", *args) -> a running ChapterServer, stopped at the end."""
+    """start_server("05", *args) -> a running ChapterServer, stopped at the
+    end of the module that started it: a server holds its model and KV pool
+    (1-3 GB), so the servers of earlier modules do not pile up in memory."""
     servers: list[ChapterServer] = []
 
     def start(chapter: str, *args: str) -> ChapterServer:

@@ -145,6 +145,28 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "nothing reads a deallocated sequence's count: allocate sets it again first",
     ("04", "seq.num_registered_blocks = 1"):
         "nothing reads a deallocated sequence's count: allocate sets it again first",
+    # ---------------------------------------------------- 05, the scheduler
+    **{("05", line): "a default no caller reads: the engine builds its scheduler with every "
+       "value from EngineConfig (common/engine/llm_engine.py), and every test passes its own"
+       for line in ("def __init__(self, block_manager: BlockManager, max_num_seqs: int = 65,",
+                    "max_num_batched_tokens: int = 513, eos_token_ids: set[int] = frozenset(),",
+                    "max_model_len: int = 8193, long_prefill_token_threshold: int = 0):",
+                    "max_model_len: int = 8192, long_prefill_token_threshold: int = 1):")},
+    ("05", "if 0 < self.long_prefill_token_threshold <= num_new:  # ch05: room for newcomers"):
+        "when num_new equals the cap, capping it sets it to the same number",
+    ("05", "return"):
+        "the budget never runs out with running sequences left over (`if budget == 0` at the "
+        "top of the loop): each was admitted within a step's budget, a decode asks 1 token, "
+        "a capped chunk no more than it got, and a prompt cut short by the budget took all of "
+        "it, so nobody was admitted behind it; the random workloads of "
+        "tests/test_scheduler_invariants.py never reach it (`return` would hand the engine None)",
+    ("05", "break  # preempted a moment ago to make room for an older one"):
+        "the sequences preempted during the loop are the newest, the end of `running` "
+        "(make_room takes running[-1]): nothing after them is still running, so stopping "
+        "there skips no one",
+    ("05", "break  # seq itself was the newest: preempted"):
+        "seq was running[-1], the newest, when it preempted itself: nothing after it is "
+        "left in the loop",
     # -------------------------------------------------- 07a, the token mask
     ("07a", 'logits.masked_fill_(~allowed, float("-INF"))'):
         'float() parses "-INF" as -inf, as "-inf"',

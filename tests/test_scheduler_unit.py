@@ -88,6 +88,20 @@ def test_the_token_budget_is_shared_by_decodes_and_a_new_prefill(make):
 
 
 @pytest.mark.ex05
+def test_the_budget_is_spent_to_its_last_token(make):
+    """A budget of 3: three 1-token prompts are all admitted, then all three
+    decode; with two decoding, a newcomer's prompt gets the last token."""
+    sched = make(max_num_batched_tokens=3)
+    for name in "abc":
+        sched.add(seq(name, 1, max_tokens=20, ignore_eos=True))
+    assert step(sched)[0] == {"a": 1, "b": 1, "c": 1}, "admit while any budget is left"
+    assert step(sched)[0] == {"a": 1, "b": 1, "c": 1}, "feed running while any budget is left"
+    sched.finish(sched.running[-1], "abort")
+    sched.add(seq("d", 5))
+    assert step(sched)[0] == {"a": 1, "b": 1, "d": 1}, "the last token starts d's prompt"
+
+
+@pytest.mark.ex05
 def test_admission_waits_for_free_blocks(make):
     sched = make(num_blocks=3, block_size=4)
     sched.add(seq("a", 8))  # 2 blocks
@@ -111,6 +125,24 @@ def test_preemption_takes_the_newest_and_requeues_it_first(make):
     assert b.num_computed_tokens == 0 and b.block_table == []
     assert a.status is SequenceStatus.RUNNING and len(a.block_table) == 3
     assert b.num_preemptions == 1 and b.num_output_tokens == 5  # its outputs are kept
+
+
+@pytest.mark.ex05
+def test_every_preemption_is_counted(make):
+    """The same sequence preempted twice: 2 on the sequence and 2 on the
+    scheduler (vllm:num_preemptions_total, and how a step knows it preempted)."""
+    sched = make()
+    a, b = seq("a", 4, max_tokens=20), seq("b", 4, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    for count in (1, 2):
+        sched.preempt(b)
+        assert (b.num_preemptions, sched.num_preemptions) == (count, count)
+        assert b.status is SequenceStatus.WAITING and b.block_table == []
+        step(sched)  # b back in
+        assert b.status is SequenceStatus.RUNNING
+    assert a.num_preemptions == 0
 
 
 @pytest.mark.ex05
@@ -158,11 +190,12 @@ def test_continuous_lets_a_late_request_join_at_the_next_step(make):
 
 
 @pytest.mark.ex05
-@pytest.mark.parametrize("cap, first_token_step", [(0, 5), (6, 2)])
+@pytest.mark.parametrize("cap, first_token_step", [(0, 5), (6, 2), (1, 4)])
 def test_a_long_prefill_leaves_room_for_a_newcomer(make, cap, first_token_step):
     """A 40-token prompt, a budget of 10: without a cap it takes the whole
     budget for 4 steps and a 3-token newcomer's first token waits for the
-    5th; capped at 6 tokens per step, the newcomer joins at once."""
+    5th; capped at 6 tokens per step, the newcomer joins at once; capped at
+    1, it joins at once too but feeds its own prompt 1 token a step (step 4)."""
     sched = make(num_blocks=32, max_num_batched_tokens=10, long_prefill_token_threshold=cap)
     long, late = seq("long", 40), seq("late", 3)
     sched.add(long)

@@ -38,20 +38,34 @@ def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
                      structured_output_cls=structured_output_cls)
 
 
+# Steps in a row with no token out: a request that is never scheduled (or
+# never finishes) fails its test instead of hanging it. Prefill chunks emit
+# nothing for a few steps; a thousand is far more than any test needs.
+MAX_STEPS_WITHOUT_OUTPUT = 1000
+
+
 def run_all(engine, prompts: dict[str, list[int]] | None = None,
-            params: SamplingParams | None = None, on_step=None) -> dict:
+            params: SamplingParams | None = None, on_step=None,
+            max_steps: int = 10_000) -> dict:
     """Add `prompts` (request id -> token ids), step until done.
     Returns request id -> its final CompletionOutput (`.outputs[0]`)."""
     for request_id, ids in (prompts or {}).items():
         engine.add_request(request_id, ids, params or SamplingParams(temperature=0, max_tokens=32))
     done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
+    idle = 0
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        outputs = engine.step()
+        idle = 0 if outputs else idle + 1
+        assert idle < MAX_STEPS_WITHOUT_OUTPUT, (
+            f"{idle} steps without a token out: is a request never scheduled?")
+        for output in outputs:
             if output.finished:
                 done[output.request_id] = output.outputs[0]
         if on_step is not None:
             on_step(engine)
-    return done
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
 def greedy(max_tokens=32, **kw) -> SamplingParams:

@@ -54,11 +54,11 @@ class Target:
     source: str  # the reference file mutated
     functions: tuple[str, ...]  # mutmut name patterns: what the exercise writes
     engine_tests: tuple[str, ...]  # tests/ files of `make test` that touch it
-    # Leave out the tests that load the 135M model or start a server: for
-    # the block manager and the scheduler (bookkeeping that no forward pass
-    # reads) they take minutes per surviving mutant on 2 cores, and the
-    # model-free tests (tests/invariants.py) check the same bookkeeping.
+    # Leave out the tests that load the 135M model or start a server (they
+    # take minutes per surviving mutant on 2 cores) when the model-free
+    # tests exercise the same code: why, in the results file.
     skip_model_tests: bool = False
+    why_model_free: str = ""
 
 
 def method(cls: str, name: str = "*") -> str:
@@ -69,10 +69,13 @@ def function(name: str) -> str:
     return f"x_{name}__mutmut_*"
 
 
+BOOKKEEPING = "the bookkeeping they would catch is what tests/invariants.py checks without a model"
+
 TARGETS: dict[str, Target] = {
     "01": Target("common/autoregressive.py",
                  (function("sample_next_token"), function("generate_without_cache")),
-                 ("test_ch01_foundation.py",)),
+                 ("test_ch01_foundation.py",), skip_model_tests=True,
+                 why_model_free="the same loop runs on a tiny random Llama (tiny_llama)"),
     "02": Target("common/memory.py",
                  (function("kv_cache_shape"), function("kv_bytes_per_token"),
                   function("static_cache_bytes")),
@@ -84,7 +87,10 @@ TARGETS: dict[str, Target] = {
                  tuple(function(f) for f in ("store_kvcache", "gather_slots", "gather_kv",
                                              "paged_decode_attention",
                                              "paged_prefill_attention")),
-                 ("test_ch03_kv_cache.py", "test_ch04_paged.py", "test_cpu_attention.py")),
+                 ("test_ch03_kv_cache.py", "test_ch04_paged.py", "test_cpu_attention.py"),
+                 skip_model_tests=True,
+                 why_model_free="the same attention runs in the forward passes of tiny random "
+                 "Llama and Qwen2 models, compared with Hugging Face's"),
     "04": Target("common/engine/block_manager.py",
                  (function("compute_block_hash"),
                   *(method("BlockManager", m) for m in (
@@ -94,19 +100,21 @@ TARGETS: dict[str, Target] = {
                       "may_append", "cache_full_blocks", "deallocate", "_release", "usage"))),
                  ("test_block_manager_invariants.py", "test_scheduler_invariants.py",
                   "test_scheduler_unit.py", "test_ch03_kv_cache.py", "test_ch04_paged.py",
-                  "test_ch05_scheduler.py"), skip_model_tests=True),
+                  "test_ch05_scheduler.py"), skip_model_tests=True, why_model_free=BOOKKEEPING),
     "05": Target("common/engine/scheduler.py",
                  (method("ScheduledSeq"), method("Scheduler"), method("ContinuousScheduler")),
                  ("test_scheduler_invariants.py", "test_scheduler_unit.py",
                   "test_ch05_scheduler.py", "test_ch04_paged.py", "test_ch03_kv_cache.py"),
-                 skip_model_tests=True),
+                 skip_model_tests=True, why_model_free=BOOKKEEPING),
     "06": Target("common/entrypoints/metrics.py",
                  # not the tokens-per-step histogram nor chapter 07's draft
                  # counters (`_step_tokens`, `_spec_decode`): the exercise leaves them out
                  (*(method("EngineCollector", m) for m in ("__init__", "_gauge", "_counter",
                                                            "collect")),
                   method("LatencyStatLogger")),
-                 ("test_ch06_server.py", "test_stats.py")),
+                 ("test_ch06_server.py", "test_stats.py"), skip_model_tests=True,
+                 why_model_free="the served test reads the same collector through /metrics "
+                 "that the model-free tests scrape directly"),
     "07a": Target("common/layers/token_bitmask.py", (function("apply_token_bitmask"),),
                   ("test_structured_outputs.py",)),
     "07b": Target("common/layers/rejection_sampler.py", (function("rejection_sample"),),
@@ -332,9 +340,8 @@ def write_results(exercise: str, suite: str, statuses: dict[str, str], seconds: 
              "the engine's tests: " + ", ".join(f"`tests/{t}`" for t in target.engine_tests))
     if target.skip_model_tests:
         tests += (", but those that load the 135M model or start a server "
-                  "(`--skip-model-tests`: minutes per surviving mutant on 2 cores; the "
-                  "bookkeeping they would catch is what tests/invariants.py checks without a "
-                  "model)")
+                  f"(`--skip-model-tests`: minutes per surviving mutant on 2 cores; "
+                  f"{target.why_model_free})")
     out = [f"# Mutation testing: exercise {exercise}, {suite} tests",
            "",
            f"Measured {date.today().isoformat()} with `make mutants CH={exercise} "

@@ -57,8 +57,11 @@ class Target:
     # Leave out the tests that load the 135M model or start a server (they
     # take minutes per surviving mutant on 2 cores) when the model-free
     # tests exercise the same code: why, in the results file.
-    skip_model_tests: bool = False
     why_model_free: str = ""
+
+    @property
+    def skip_model_tests(self) -> bool:
+        return bool(self.why_model_free)
 
 
 def method(cls: str, name: str = "*") -> str:
@@ -74,8 +77,7 @@ BOOKKEEPING = "the bookkeeping they would catch is what tests/invariants.py chec
 TARGETS: dict[str, Target] = {
     "01": Target("common/autoregressive.py",
                  (function("sample_next_token"), function("generate_without_cache")),
-                 ("test_ch01_foundation.py",), skip_model_tests=True,
-                 why_model_free="the same loop runs on a tiny random Llama (tiny_llama)"),
+                 ("test_ch01_foundation.py",), why_model_free="the same loop runs on a tiny random Llama (tiny_llama)"),
     "02": Target("common/memory.py",
                  (function("kv_cache_shape"), function("kv_bytes_per_token"),
                   function("static_cache_bytes")),
@@ -88,7 +90,6 @@ TARGETS: dict[str, Target] = {
                                              "paged_decode_attention",
                                              "paged_prefill_attention")),
                  ("test_ch03_kv_cache.py", "test_ch04_paged.py", "test_cpu_attention.py"),
-                 skip_model_tests=True,
                  why_model_free="the same attention runs in the forward passes of tiny random "
                  "Llama and Qwen2 models, compared with Hugging Face's"),
     "04": Target("common/engine/block_manager.py",
@@ -100,20 +101,19 @@ TARGETS: dict[str, Target] = {
                       "may_append", "cache_full_blocks", "deallocate", "_release", "usage"))),
                  ("test_block_manager_invariants.py", "test_scheduler_invariants.py",
                   "test_scheduler_unit.py", "test_ch03_kv_cache.py", "test_ch04_paged.py",
-                  "test_ch05_scheduler.py"), skip_model_tests=True, why_model_free=BOOKKEEPING),
+                  "test_ch05_scheduler.py"), why_model_free=BOOKKEEPING),
     "05": Target("common/engine/scheduler.py",
                  (method("ScheduledSeq"), method("Scheduler"), method("ContinuousScheduler")),
                  ("test_scheduler_invariants.py", "test_scheduler_unit.py",
                   "test_ch05_scheduler.py", "test_ch04_paged.py", "test_ch03_kv_cache.py"),
-                 skip_model_tests=True, why_model_free=BOOKKEEPING),
+                 why_model_free=BOOKKEEPING),
     "06": Target("common/entrypoints/metrics.py",
                  # not the tokens-per-step histogram nor chapter 07's draft
                  # counters (`_step_tokens`, `_spec_decode`): the exercise leaves them out
                  (*(method("EngineCollector", m) for m in ("__init__", "_gauge", "_counter",
                                                            "collect")),
                   method("LatencyStatLogger")),
-                 ("test_ch06_server.py", "test_stats.py"), skip_model_tests=True,
-                 why_model_free="the served test reads the same collector through /metrics "
+                 ("test_ch06_server.py", "test_stats.py"), why_model_free="the served test reads the same collector through /metrics "
                  "that the model-free tests scrape directly"),
     "07a": Target("common/layers/token_bitmask.py", (function("apply_token_bitmask"),),
                   ("test_structured_outputs.py",)),
@@ -226,9 +226,7 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".cache")
-    for name in ("common", "tests", "bench"):
-        shutil.copytree(ROOT / name, workdir / name, ignore=ignore)
+    copy_tree(workdir)
     shutil.copy2(ROOT / "pytest.ini", workdir / "pytest.ini")
     target = TARGETS[exercise]
     if suite == "grading":
@@ -257,9 +255,10 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
                         ignore=shutil.ignore_patterns("*.flock", "lock"))
 
 
-def refresh(workdir: Path) -> None:
-    """For --resume: the last run's copy gets today's tests and sources;
-    mutmut re-mutates only the functions whose source changed."""
+def copy_tree(workdir: Path) -> None:
+    """The sources and tests mutmut copies from: a fresh copy, or for
+    --resume today's over the last run's (mutmut then re-mutates only the
+    functions whose source changed)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".cache")
     for name in ("common", "tests", "bench"):
         shutil.copytree(ROOT / name, workdir / name, ignore=ignore, dirs_exist_ok=True)
@@ -405,7 +404,7 @@ def main(argv: list[str]) -> int:
         workdir = ROOT / ".mutants" / f"ex{args.exercise}-{suite}"
         resumed = args.resume and (workdir / "mutants").exists()
         if resumed:
-            refresh(workdir)
+            copy_tree(workdir)
             seconds = 60 * last_run_minutes(args.exercise, suite)
             seconds += run_mutmut(workdir, args.exercise)  # those not checked yet
             survivors = [name for name, status in collect(workdir, args.exercise).items()

@@ -20,6 +20,8 @@ MAX_TOKENS  ?= 64
 CARD        ?= $(DEMO_CARD)
 STREAM      ?=
 PORT        ?= 8000
+REPLAY      ?=
+RECORD      ?=
 
 # `make bench` knobs (bench/bench.py): an empty one keeps the preset's value.
 # QUICK=1 (2 min) PEERS=1 (+ the real vLLM, llama.cpp, transformers;
@@ -48,7 +50,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo-oom loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -83,6 +85,15 @@ demo-oom: $(STAMP) ## chapter 02 on a card that holds one request, two clients -
 	@echo
 	@echo "One success, one CUDA-style out-of-memory error; the server stayed up."
 	@echo "Chapter 05 survives the same load:  make loadtest CH=05 CLIENTS=2"
+
+demo: $(STAMP) ## the instructor's demo: chapter 02 runs out of memory with 2 clients on the demo card, chapter 05 serves them + 30 more with the live view (PORT=8000)
+	$(PY) -m bench.demo --card $(DEMO_CARD) --port $(PORT) --dtype $(DTYPE)
+
+# watch: the chapter's server with --live-view (03 on), or REPLAY=file with no engine.
+watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file: a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
+	$(if $(REPLAY),$(PY) -m common.entrypoints.live_view --replay $(REPLAY) --port $(PORT),\
+	  $(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
+	  $(call given,CARD,--device-memory-gb) --live-view $(if $(RECORD),--record-events $(RECORD)))
 
 loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=float32 STREAM=1: load one chapter
 	$(PY) -m bench.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \

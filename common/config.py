@@ -99,10 +99,55 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+@dataclass
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (its keys and defaults): publish the
+    prefix cache's changes over ZeroMQ (common/engine/kv_events.py)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled (vLLM's rule)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # refused: left out
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVEventsConfig") -> "KVEventsConfig":
+        if isinstance(value, cls):
+            return value
+        raw = json.loads(value) if isinstance(value, str) else dict(value)
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {unknown}")
+        config = cls(**raw)
+        if config.publisher is None:
+            config.publisher = "zmq" if config.enable_kv_cache_events else "null"
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config: publisher {config.publisher!r}: "
+                             "this course has 'zmq' and 'null'")
+        if config.replay_endpoint is not None:
+            raise ValueError("--kv-events-config: replay_endpoint is not implemented "
+                             "(the replay socket is left out)")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 def speculative_config_arg(text: str) -> SpeculativeConfig:
     """argparse's type for `--speculative-config`: a usage error when wrong."""
     try:
         return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_events_config_arg(text: str) -> KVEventsConfig:
+    """argparse's type for `--kv-events-config`: a usage error when wrong."""
+    try:
+        return KVEventsConfig.parse(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -134,10 +179,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks, one process each
     speculative_config: SpeculativeConfig | None = None  # ch07: n-gram speculation
     seed: int = 0
+    # What each step did, for the live view and tools (common/engine/step_events.py).
+    kv_events_config: KVEventsConfig | None = None  # vLLM's KV events over ZeroMQ
+    record_events: str | None = None  # a file: every step's frame as a JSON line
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # the offline LLM passes a dict
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
 
     @property
     def model_name(self) -> str:
@@ -213,6 +263,13 @@ def add_engine_args(parser: argparse.ArgumentParser,
                         '"prompt_lookup_min": 2}\'')
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
+    p.add_argument("--kv-events-config", type=kv_events_config_arg, default=None,
+                   help='publish the prefix cache\'s changes as vLLM does, as JSON: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\'')
+    p.add_argument("--record-events", default=None, metavar="FILE",
+                   help="write every engine step (queues, batch, blocks, KV events) to "
+                        "FILE as JSON lines; `make watch REPLAY=FILE` plays it back")
     return p
 
 

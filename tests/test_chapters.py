@@ -33,7 +33,9 @@ FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--long-prefill-token-threshold": ["64"], "--enforce-eager": [],
                "--api-key": ["secret"], "--max-waiting": ["4"], "--disable-fastapi-docs": [],
                "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
-               "--quantization": ["int8"], "--tensor-parallel-size": ["2"]}
+               "--quantization": ["int8"], "--tensor-parallel-size": ["2"],
+               "--live-view": [], "--record-events": ["/tmp/steps.jsonl"],
+               "--kv-events-config": ['{"enable_kv_cache_events": true}']}
 FIELD_VALUES = {"top_p": 0.5, "stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5,
                 "logit_bias": {"11": 1.0}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                 "min_tokens": 1, "stop_token_ids": [2], "logprobs": True, "top_logprobs": 2,

@@ -24,6 +24,8 @@ class: they never touch the engine's scheduler or blocks.
   engine, ch06) include its wait for the loop thread to take it in.
   `add_stat_logger` (ch06: the Prometheus `Metrics`) gets each step's
   `IterationStats`, on the loop thread.
+- `step_events()` switches on the engine's step events (the live view:
+  common/entrypoints/live_view.py); their subscribers run on the loop thread.
 
 Left out: a separate engine process (vLLM v1's EngineCore over ZeroMQ).
 """
@@ -37,6 +39,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine
+from common.engine.step_events import StepEvents
 from common.engine.tp_workers import RankDiedError
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
@@ -149,6 +152,12 @@ class AsyncLLM:
         """ch06: `logger.record(iteration_stats)` after every step, called
         on the engine loop's thread (see `LLMEngine.add_stat_logger`)."""
         self.engine.add_stat_logger(logger)
+
+    def step_events(self) -> StepEvents:
+        """The engine's step events (the live view subscribes to them),
+        switched on between two steps."""
+        with self._lock:
+            return self.engine.enable_step_events()
 
     def snapshot(self) -> dict:
         """The engine's figures as of its last step (no lock, no waiting)."""

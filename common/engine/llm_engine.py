@@ -10,6 +10,7 @@
     iteration_stats = stats_collector.new_iteration()  # every new token's time
     outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
     stats_collector.observe_step(iteration_stats, outputs)  # totals, loggers, log line
+    step_events.observe_step(iteration_stats, outputs)  # when watched: the step's frame
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the
 offline `LLM`) validate each one once with `check_request` before
@@ -59,6 +60,7 @@ from common.engine.output_processor import OutputProcessor
 from common.engine.scheduler import ContinuousScheduler, Scheduler
 from common.engine.sequence import Sequence
 from common.engine.stats import EngineStats, StatsCollector
+from common.engine.step_events import JsonlRecorder, StepEvents
 from common.engine.tp_workers import TPWorkers, start_ranks
 from common.engine.worker import build_worker
 from common.layers.sampler import RequestSamplingState
@@ -157,11 +159,38 @@ class LLMEngine:
         self.stats_collector = StatsCollector(self.scheduler, self.block_manager,
                                               config.enable_prefix_caching, log_interval_s)
         self._seed_counter = config.seed
+        # Each step as an event (the live view, --record-events, --kv-events-config);
+        # None: off, and the step does no extra work.
+        self.step_events: StepEvents | None = None
+        kv_events = config.kv_events_config
+        if kv_events is not None and kv_events.publishes:
+            self.enable_step_events().publish_kv_events(kv_events)
+        if config.record_events:
+            self.enable_step_events().subscribe(
+                JsonlRecorder(config.record_events, self.describe()))
+
+    def enable_step_events(self) -> StepEvents:
+        """The step's events from now on (built once; call it between steps)."""
+        if self.step_events is None:
+            self.step_events = StepEvents(self)
+        return self.step_events
+
+    def describe(self) -> dict:
+        """What a viewer of the step events needs to know once."""
+        return {"model": self.config.model_name, "scheduler": type(self.scheduler).__name__,
+                "num_blocks": self.block_manager.num_blocks, "block_size": self.block_size,
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "speculative": self.config.speculative_config is not None}
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (ch08); nothing to do on one rank."""
+        """Stop the tensor-parallel workers (ch08) and the event publishers."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.step_events is not None:
+            self.step_events.close()
 
     # ------------------------------------------------------------ requests
     @property
@@ -236,6 +265,8 @@ class LLMEngine:
         if not batch:
             return []
         self.stats_collector.observe_scheduled(batch)
+        if self.step_events is not None:  # the live view: what each request feeds
+            self.step_events.observe_scheduled(batch)
         sampled = self.worker.model_runner.execute_model(batch)
         self.stats_collector.observe_sampled(batch, sampled)
         updated = self.scheduler.update_from_output(batch, sampled)
@@ -247,6 +278,8 @@ class LLMEngine:
             if output.finished:
                 del self.sequences[output.request_id]
         self.stats_collector.observe_step(iteration_stats, outputs)
+        if self.step_events is not None:  # the live view: the step's frame
+            self.step_events.observe_step(iteration_stats, outputs)
         return outputs
 
     # ------------------------------------------------------------ figures

@@ -71,6 +71,7 @@ class BucketCounts:
 @dataclass
 class EngineStats:
     """The engine's running totals since it started (`snapshot()`)."""
+    num_steps: int = 0  # steps that ran a batch (the live view's frame numbers)
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     # vLLM's prefix-cache figures, in tokens: a new request's tokens looked
@@ -263,6 +264,7 @@ class StatsCollector:
             if output.finished:
                 self.count_finished(output.outputs[0].finish_reason)
         t = self.totals
+        t.num_steps += 1
         t.generation_tokens += iteration_stats.num_generation_tokens
         t.iteration_tokens.observe(iteration_stats.num_prompt_tokens
                                    + iteration_stats.num_generation_tokens)
@@ -324,8 +326,9 @@ class StatsCollector:
         """The figures of `LLMEngine.snapshot()` that this collector keeps."""
         usage, t, bm = self.kv_usage(), self.totals, self.block_manager
         return {
+            "num_steps": t.num_steps,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": usage.usage_perc,
+            "kv_cache_usage_perc": usage.usage_perc, "kv_used_blocks": usage.used_blocks,
             "kv_reserved_slots": usage.reserved_slots, "kv_used_slots": usage.used_slots,
             "kv_waste_perc": usage.waste_perc,
             "peak_running": t.peak_running,

@@ -16,6 +16,8 @@ serving_engine.py (the only code that talks to the engine).
   (`structured_output_cls`) and their own flags (the table of which
   chapter adds which flag and field: common/entrypoints/chapters.py).
 
+`--live-view` adds the live view at /ui/ (live_view.py) to any of them.
+
 Every server shares the HTTP edge (middleware.py), the command line
 (cli_args.py), a read deadline and a bounded graceful shutdown
 (launcher.py), and, if the engine loop dies, 503 `engine_dead` then exit
@@ -51,6 +53,7 @@ from common.entrypoints.cli_args import (
     server_parser,
 )
 from common.entrypoints.launcher import serve
+from common.entrypoints.live_view import watch_engine
 from common.entrypoints.metrics import Metrics
 from common.entrypoints.middleware import APIKeyCheck, RateLimit, new_app
 from common.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -88,6 +91,16 @@ def add_engine_routes(app: FastAPI, engine: AsyncLLM, model_name: str) -> None:
         return engine.snapshot()
 
 
+def add_live_view_if_asked(app: FastAPI, engine: AsyncLLM, chapter: str,
+                           args) -> None:
+    """`--live-view`: the page at /ui/, and its URL in the log."""
+    if not args.live_view:
+        return
+    watch_engine(app, engine, chapter)
+    key = "?key=YOUR_API_KEY" if getattr(args, "api_key", None) else ""
+    log.info("live view: open http://%s:%d/ui/%s in a browser", args.host, args.port, key)
+
+
 # ----------------------------------------------------- chapters 03-05
 def build_engine_chat_app(title: str, engine: AsyncLLM, model_name: str,
                           chapter: str) -> FastAPI:
@@ -113,8 +126,9 @@ def run_chat_server(chapter: str, title: str, scheduler_cls: type[Scheduler],
     args = parse_server_args(parser, chapter)
     engine_config = dataclasses.replace(config_from_args(args), **config)
     engine = build_engine(parser, lambda: LLMEngine(engine_config, scheduler_cls=scheduler_cls))
-    return serve(build_engine_chat_app(title, engine, engine_config.model_name, chapter),
-                 args, engine)
+    app = build_engine_chat_app(title, engine, engine_config.model_name, chapter)
+    add_live_view_if_asked(app, engine, chapter, args)
+    return serve(app, args, engine)
 
 
 # ------------------------------------------------------- chapters 06-08
@@ -175,6 +189,7 @@ def main(chapter: str = "06", title: str = "Chapter 06: the OpenAI-compatible se
         config, scheduler_cls=ContinuousScheduler, structured_output_cls=structured_output_cls))
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs, chapter=chapter, title=title)
+    add_live_view_if_asked(app, engine, chapter, args)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)
 

@@ -29,8 +29,10 @@ from pydantic import BaseModel
 
 from common.entrypoints.middleware import APIError
 
-# The flags of `vllm serve` each chapter adds (the chapters 01-03 take are not listed).
+# The flags each chapter adds (those every chapter takes are not listed).
 FLAG_CHAPTERS: dict[str, str] = {
+    # the engine's step events: the live view, recordings, vLLM's KV events
+    "--live-view": "03", "--record-events": "03", "--kv-events-config": "03",
     "--block-size": "04", "--enable-prefix-caching": "04",  # paged blocks, prefix reuse
     "--long-prefill-token-threshold": "05", "--enforce-eager": "05",  # the scheduler
     "--api-key": "06", "--max-waiting": "06", "--disable-fastapi-docs": "06",  # the API

@@ -41,6 +41,9 @@ def server_parser(description: str, chapter: str = "08",
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--live-view", action="store_true",
+                        help="watch the engine in the browser at /ui/: its KV blocks, "
+                             "queues and batch, one frame per step (`make watch`)")
     add_http_args(parser)
     add_engine_args(parser, enable_prefix_caching)
     hide_later_flags(parser, chapter)

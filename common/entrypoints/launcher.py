@@ -160,6 +160,15 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # uvicorn would raise it again once stopped
+        stopping(self.config.app)
+
+
+
+def stopping(app: FastAPI) -> None:
+    """Tell the streams that never end by themselves (the live view's) to
+    end now: a graceful shutdown waits for every open response."""
+    for hook in getattr(app.state, "stopping_hooks", ()):
+        hook()
 
 
 def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLM | None = None,
@@ -176,6 +185,7 @@ def make_server(app: FastAPI, host: str, port: int, engine: AsyncLLM | None = No
             engine.died.wait()
             log.error("the engine loop died: answering the requests in flight, then exiting")
             server.should_exit = True
+            stopping(app)
 
         threading.Thread(target=exit_when_dead, name="engine-watch", daemon=True).start()
     return server

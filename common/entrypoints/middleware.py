@@ -17,6 +17,7 @@ import asyncio
 import logging
 import secrets
 import time
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,11 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8192-token prompt is ~40 KB of JSON
 # docs. Every other route, `/stats` and any route added later, needs the key.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
                           "/redoc", "/openapi.json"})
+LIVE_VIEW_STREAM = "/ui/events"  # the live view's data; its page (/ui/...) is public
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or (path == "/ui" or path.startswith("/ui/")) and path != LIVE_VIEW_STREAM
 
 
 # ------------------------------------------------------------------ errors
@@ -176,19 +182,29 @@ class BodySizeLimit:
 class APIKeyCheck:
     """`--api-key`: every route but PUBLIC_PATHS needs `Authorization:
     Bearer KEY` (default-deny: `/stats` shows the engine's state and the
-    prefix-cache hits, which can hint at other users' prompts). The scheme
+    prefix-cache hits, which can hint at other users' prompts). The live
+    view's page is public like /docs (code, no data); its stream
+    (/ui/events) takes the key as `?key=KEY` too. The scheme
     is case-insensitive (RFC 7235), the key compared in constant time."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        if scope["type"] == "http" and not is_public(scope["path"]):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" and scope["path"] == LIVE_VIEW_STREAM:
+                scheme, given = b"bearer", self.key_in_url(scope)
             if scheme.lower() != b"bearer" or not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def key_in_url(scope) -> bytes:
+        """`?key=KEY`: a browser's EventSource cannot send a header."""
+        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])
+        return values[0].encode()
 
 
 class RateLimit:

@@ -1,0 +1,209 @@
+"""The live view: the engine's KV blocks and queues in the browser, one frame per step (ch03-08).
+
+`--live-view` (`make watch CH=05`) adds three routes to a chapter's server:
+
+    GET /ui/             the page: live_view/index.html, view.js, view.css
+                         (plain JavaScript, no build step; /ui redirects here)
+    GET /ui/events       the frames, as server-sent events: `config` (the
+                         engine's settings), the last HISTORY frames (a new
+                         viewer can step back at once), then each step's
+                         `step` frame, and `gap` when frames were dropped
+
+The frames are the engine's step events (common/engine/step_events.py),
+turned into JSON once, on the engine's thread, and handed to the event
+loop. Each viewer has its own bounded queue: a viewer that reads too
+slowly (a stuck tab, a slow network) loses its oldest frames and gets a
+`gap` event saying how many; the engine never waits for a viewer.
+
+Behind `--api-key` (ch06) the view needs the key like every other route;
+a browser opening a page cannot send a header, so `/ui` takes it in the
+URL too (`/ui/?key=KEY`, as Jupyter takes its token) and the page passes it on.
+
+`python -m common.entrypoints.live_view --replay FILE` (`make watch
+REPLAY=FILE`) serves the page and a recording (`--record-events FILE`)
+with no engine: the page plays it back with the same controls.
+
+Left out: WebSockets (the stream only goes one way; SSE reconnects by
+itself), several engines on one page.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from collections import deque
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+log = logging.getLogger("llm-course")
+
+PAGE_DIR = Path(__file__).with_name("live_view")
+HISTORY = 500  # frames a new viewer receives at once (the page keeps as many)
+VIEWER_QUEUE = 100  # frames waiting for one viewer; beyond, its oldest are dropped
+HEARTBEAT_S = 1.0  # a comment line when idle: proxies keep the stream, shutdown is noticed
+RECORDING_ROUTE = "/ui/recording.jsonl"
+
+
+def sse(event: str, data: str) -> str:
+    """One server-sent event (data is one JSON line)."""
+    return f"event: {event}\ndata: {data}\n\n"
+
+
+class Viewer:
+    """One browser tab: its frames not yet sent, at most VIEWER_QUEUE."""
+
+    def __init__(self):
+        self.frames: deque[str] = deque()
+        self.dropped = 0  # since the last `gap` event
+        self.ready = asyncio.Event()
+
+    def push(self, text: str) -> None:
+        if len(self.frames) == VIEWER_QUEUE:
+            self.frames.popleft()
+            self.dropped += 1
+        self.frames.append(text)
+        self.ready.set()
+
+
+class LiveView:
+    """Fans the engine's frames out to the viewers (see the module docstring)."""
+
+    def __init__(self, config: dict):
+        self.config_text = json.dumps(config)
+        self.history: deque[str] = deque(maxlen=HISTORY)  # appended on the engine's thread
+        self.viewers: set[Viewer] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the first viewer
+        self.stopping = False
+
+    def on_frame(self, frame: dict) -> None:
+        """A step's frame, on the engine's thread: JSON once, for everyone."""
+        text = json.dumps(frame, separators=(",", ":"))
+        self.history.append(text)
+        loop = self.loop
+        if loop is not None and self.viewers:
+            try:
+                loop.call_soon_threadsafe(self._fan_out, text)
+            except RuntimeError:  # the event loop has closed: the server is stopping
+                pass
+
+    def _fan_out(self, text: str) -> None:
+        for viewer in self.viewers:
+            viewer.push(text)
+
+    def stop(self) -> None:
+        """The server is shutting down: end every stream now (a graceful
+        shutdown would otherwise wait for them until its timeout)."""
+        self.stopping = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        for viewer in self.viewers:
+            viewer.ready.set()
+
+    async def stream(self, request: Request) -> AsyncIterator[str]:
+        """One viewer's events, until it leaves or the server stops."""
+        self.loop = asyncio.get_running_loop()
+        viewer = Viewer()
+        backlog = list(self.history)  # before joining: no frame twice
+        self.viewers.add(viewer)
+        log.info("live view: a viewer joined (%d watching)", len(self.viewers))
+        try:
+            yield sse("config", self.config_text)
+            for text in backlog:
+                yield sse("step", text)
+            while not self.stopping:
+                try:
+                    await asyncio.wait_for(viewer.ready.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    yield ": idle\n\n"
+                    continue
+                viewer.ready.clear()
+                if viewer.dropped:
+                    yield sse("gap", json.dumps({"dropped": viewer.dropped}))
+                    viewer.dropped = 0
+                while viewer.frames:
+                    yield sse("step", viewer.frames.popleft())
+        finally:
+            self.viewers.discard(viewer)
+            log.info("live view: a viewer left (%d watching)", len(self.viewers))
+
+
+def add_page_routes(app: FastAPI) -> None:
+    """The page and its files, at /ui/ (after the other /ui routes: the
+    mount answers every path under it)."""
+    app.mount("/ui", StaticFiles(directory=PAGE_DIR, html=True), name="live-view")
+
+
+def add_live_view(app: FastAPI, view: LiveView) -> None:
+    """`--live-view`: the engine's frames as server-sent events, and the page."""
+    app.state.stopping_hooks = [*getattr(app.state, "stopping_hooks", []), view.stop]
+
+    @app.get("/ui/events", include_in_schema=False)
+    async def events(request: Request) -> StreamingResponse:
+        return StreamingResponse(view.stream(request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
+
+    add_page_routes(app)
+
+
+def watch_engine(app: FastAPI, engine, chapter: str) -> LiveView:
+    """Switch on the engine's step events and serve them at /ui."""
+    events = engine.step_events()
+    view = LiveView({"chapter": chapter, **engine.engine.describe()})
+    events.subscribe(view.on_frame)
+    add_live_view(app, view)
+    return view
+
+
+# ------------------------------------------------------------ replay
+def build_replay_app(recording: Path) -> FastAPI:
+    """The page and one recording, no engine: `/ui/?replay=/ui/recording.jsonl`."""
+    from common.entrypoints.middleware import new_app
+    app = new_app("Live view: replay")
+
+    @app.get(RECORDING_ROUTE, include_in_schema=False)
+    def recording_file() -> FileResponse:
+        return FileResponse(recording, media_type="application/x-ndjson")
+
+    add_page_routes(app)
+    return app
+
+
+def check_recording(path: Path) -> None:
+    """A readable recording starts with the engine's config line."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a recording ({exc})") from None
+    if first.get("type") != "config":
+        raise SystemExit(f"{path}: not a recording (its first line is not the config; "
+                         "record one with --record-events FILE)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Replay a recording of the engine's steps "
+                                     "in the live view, with no engine.")
+    parser.add_argument("--replay", required=True, type=Path, metavar="FILE",
+                        help="a recording written by --record-events FILE")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    check_recording(args.replay)
+    import uvicorn
+    print(f"replay: open http://{args.host}:{args.port}/ui/?replay={RECORDING_ROUTE}", flush=True)
+    uvicorn.run(build_replay_app(args.replay), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

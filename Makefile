@@ -50,7 +50,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples pictures traces bench-spec bench-structured vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -106,6 +106,9 @@ serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; withou
 
 bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)
 	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
+
+bench-live-view: $(STAMP) ## the live view's cost: step time with the events off and on, served tok/s at 32 clients with one viewer and without (~4 min)
+	$(PY) -m bench.profiles.live_view_cost
 
 bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05/06: bench/sweep.png
 	$(PY) -m bench.bench --preset $(if $(QUICK),sweep-quick,sweep) $(BENCH_ARGS)

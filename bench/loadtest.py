@@ -184,7 +184,10 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Nobody listens on it. SO_REUSEADDR, as uvicorn binds: the closed
+    connections of a server just stopped (TIME_WAIT) do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

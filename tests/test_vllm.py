@@ -10,9 +10,11 @@ for the course's side: the API and the engine compared are chapter 06's.
 """
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import requests
 
 from bench.peers import vllm_diff, vllm_peer
 from bench.loadtest import ROOT, free_port
@@ -22,16 +24,30 @@ needs_vllm = pytest.mark.skipif(NOT_INSTALLED is not None, reason=str(NOT_INSTAL
 pytestmark = pytest.mark.vllm
 
 
+def kv_events_flag(port: int) -> list[str]:
+    """vLLM's --kv-events-config, publishing on a port of this machine."""
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                              "publisher": "zmq", "topic": "kv",
+                                              "endpoint": f"tcp://*:{port}"})]
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
+def kv_ports() -> dict[str, int]:
+    return {"ch06": free_port(), "vllm": free_port()}
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, kv_ports):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with vllm_peer.VllmServer(free_port(), log, "float32") as server:
+    with vllm_peer.VllmServer(free_port(), log, "float32",
+                              extra=kv_events_flag(kv_ports["vllm"])) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def ours(start_server):
-    return start_server("08")  # the course's `vllm serve`, float32 (conftest)
+def ours(start_server, kv_ports):
+    # the course's `vllm serve`, float32 (conftest), with vLLM's KV events
+    return start_server("08", *kv_events_flag(kv_ports["ch06"]))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +136,44 @@ def test_our_metric_names_are_vllms(ours, vllm_server):
     theirs = vllm_diff.metric_names(vllm_server.url)
     mine = vllm_diff.metric_names(ours.url)
     assert mine and mine <= theirs, mine - theirs
+
+
+@needs_vllm
+def test_kv_events_read_alike_from_both(urls, kv_ports, embedded):
+    """Both servers publish their prefix cache's new blocks as vLLM's
+    `KVEventBatch` over ZeroMQ (the real vLLM's CPU build too, with blocks
+    of 128 tokens against our 16), and one subscriber decodes both: each
+    BlockStored holds tokens of the prompt sent, from its first token."""
+    import msgpack
+    import zmq
+    from common.loader import apply_chat_template
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 40},
+                {"role": "user", "content": "What is the capital of France?"}]
+    prompt = apply_chat_template(embedded.tokenizer, messages)
+    assert len(prompt) > 2 * 128
+    for name, url in urls.items():
+        socket = zmq.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+        socket.connect(f"tcp://127.0.0.1:{kv_ports[name]}")
+        stored = []
+        for attempt in range(5):  # a PUB socket drops what it sent before we joined
+            messages[0]["content"] = f"({name}, try {attempt}) " + messages[0]["content"]
+            requests.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": "smollm2", "messages": messages, "max_tokens": 2,
+                "temperature": 0}).raise_for_status()
+            while socket.poll(3000):
+                _, seq, payload = socket.recv_multipart()
+                ts, events, rank = msgpack.unpackb(payload)
+                stored += [e for e in events if e["type"] == "BlockStored"]
+            if stored:
+                break
+        socket.close(linger=0)
+        assert stored, f"{name}: no BlockStored event"
+        first = next(e for e in stored if e["parent_block_hash"] is None)
+        sent = apply_chat_template(embedded.tokenizer, messages)
+        assert first["token_ids"] == sent[:len(first["token_ids"])], name
+        assert len(first["token_ids"]) == first["block_size"] * len(first["block_hashes"])
+        assert first["block_size"] == {"ch06": 16, "vllm": 128}[name]
 
 
 def test_readme_lists_every_wire_difference():

@@ -65,6 +65,7 @@ RENDERERS = {
     "bench.profiles.gemm_bandwidth": "markdown",
     "bench.experiments.levers": "markdown",
     "bench.profiles.profile_step": "markdown",
+    "bench.profiles.live_view_cost": "markdown",
     "bench.experiments.spec_decode": "markdown",
     "bench.experiments.structured_outputs": "markdown",
     "bench.experiments.tensor_parallel": "markdown",

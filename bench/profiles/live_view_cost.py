@@ -1,0 +1,155 @@
+"""What the live view costs the engine: off, on, and with a viewer attached.
+
+    python -m bench.profiles.live_view_cost          # ~4 min on 2 cores
+    make bench-live-view
+
+Two measurements, each an A/B in one run, the two sides in turn (ABBA...)
+so that a machine that drifts (turbo, a neighbour) cancels out:
+
+1. **The step**: one engine on the embedded model, 32 sequences decoding;
+   median step time with the step events off (`engine.step_events` is
+   None: the step does no extra work) and on (a frame built every step,
+   turned into JSON by the live view's `on_frame`, as `--live-view` does).
+2. **Served**: chapter 06's server (chapter 05's engine, streaming) at 32
+   clients x 2 requests x 64 tokens, `ignore_eos`: without `--live-view`,
+   and with it and one viewer reading /ui/events the whole time; the
+   median tok/s of each side's runs. The aim is at least 0.97x.
+
+Left out: a browser drawing the frames (it runs in its own process; on
+the same 2 cores it would take CPU from both sides alike).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from bench.bench import bf16_words, machine, write_results
+from bench.loadtest import ChapterServer, free_port, run_load
+
+CLIENTS, REQUESTS, MAX_TOKENS = 32, 2, 64
+ROUNDS = 3  # of each side, served (ABBAAB): the median of each side
+STEP_BLOCKS, STEPS_PER_BLOCK = 8, 12  # engine: blocks of steps, off and on in turn
+CARD = "2"  # GiB: 32 requests fit, no preemption
+AIM = 0.97
+
+
+# ------------------------------------------------------------ the step
+def step_times(blocks: int = STEP_BLOCKS, steps: int = STEPS_PER_BLOCK) -> dict:
+    """Median decode-step time, events off and on in turn, 32 sequences."""
+    from common.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.entrypoints.live_view import LiveView
+    from common.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", device_memory_gb=float(CARD)))
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    prompt = engine.tokenizer("Tell me a long story about the sea.")["input_ids"]
+    for i in range(CLIENTS):
+        engine.add_request(f"r{i}", prompt, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
+        engine.step()  # the prefills: every sequence decodes from here on
+    view = LiveView(engine.describe())
+    events = engine.enable_step_events()
+    events.subscribe(view.on_frame)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for block in range(blocks):
+        side = ("off", "on", "on", "off")[block % 4]  # ABBA
+        engine.step_events = events if side == "on" else None
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times[side].append(time.perf_counter() - start)
+    off, on = (statistics.median(times[k]) for k in ("off", "on"))
+    return {"seqs": CLIENTS, "steps_each": len(times["off"]), "off_ms": off * 1e3,
+            "on_ms": on * 1e3, "on_over_off": on / off}
+
+
+# ------------------------------------------------------------- served
+def watch(url: str, stop: threading.Event, counts: dict) -> None:
+    """One viewer: reads /ui/events until told to stop."""
+    with requests.get(url + "/ui/events", stream=True, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"event: step"):
+                counts["frames"] += 1
+            if stop.is_set():
+                return
+
+
+def served_once(viewer: bool, log_dir: Path) -> dict:
+    args = ["--dtype", "float32", "--device-memory-gb", CARD]
+    if viewer:
+        args.append("--live-view")
+    port = free_port()
+    with ChapterServer("06", port, args, log_dir / f"ch06-{port}.log") as server:
+        run_load(server.url, 2, 1, 8, stream=True)  # warm up
+        stop, counts = threading.Event(), {"frames": 0}
+        reader = threading.Thread(target=watch, args=(server.url, stop, counts), daemon=True)
+        if viewer:
+            reader.start()
+        summary = run_load(server.url, CLIENTS, REQUESTS, MAX_TOKENS, stream=True)
+        stop.set()
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed: {summary['first_errors']}")
+    return {"viewer": viewer, "tokens_per_s": summary["output_tokens_per_s"],
+            "completed": summary["completed"], "failed": summary["failed"],
+            "frames_read": counts["frames"]}
+
+
+def served(log_dir: Path, rounds: int = ROUNDS) -> dict:
+    runs = []
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)  # ABBA
+        runs += [served_once(viewer, log_dir) for viewer in order]
+    off = statistics.median(x["tokens_per_s"] for x in runs if not x["viewer"])
+    on = statistics.median(x["tokens_per_s"] for x in runs if x["viewer"])
+    return {"runs": runs, "off_tokens_per_s": off, "viewer_tokens_per_s": on,
+            "ratio": on / off, "aim": AIM}
+
+
+# ------------------------------------------------------------ report
+def markdown(rec: dict) -> str:
+    m, step, srv = rec["machine"], rec["step"], rec["served"]
+    lines = ["# The live view's cost", "",
+             f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
+             f"torch {m['torch']}, float32; {rec['minutes']:.1f} min.",
+             f"Command: `{rec['command']}`.", "",
+             f"## The step ({step['seqs']} sequences decoding, {step['steps_each']} steps "
+             "of each side, in turn)", "",
+             "| step events | median step |", "|---|---|",
+             f"| off (`engine.step_events` is None) | {step['off_ms']:.1f} ms |",
+             f"| on (a frame and its JSON every step) | {step['on_ms']:.1f} ms |", "",
+             f"On / off: **{step['on_over_off']:.3f}x**.", "",
+             f"## Served: chapter 06, {CLIENTS} clients x {REQUESTS} x {MAX_TOKENS} tokens, "
+             "streaming", "",
+             "| run | live view | tok/s | completed | frames read |", "|---|---|---|---|---|"]
+    lines += [f"| {i + 1} | {'on, one viewer' if r['viewer'] else 'off'} | "
+              f"{r['tokens_per_s']:.1f} | {r['completed']} | {r['frames_read']} |"
+              for i, r in enumerate(srv["runs"])]
+    lines += ["", f"With one viewer / without, medians: {srv['viewer_tokens_per_s']:.1f} / "
+              f"{srv['off_tokens_per_s']:.1f} tok/s = **{srv['ratio']:.3f}x** "
+              f"(aim: at least {srv['aim']:.2f}x)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    begin = time.perf_counter()
+    log_dir = Path("/tmp/live-view-cost")
+    log_dir.mkdir(exist_ok=True)
+    rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "machine": machine(), "command": "python -m bench.profiles.live_view_cost",
+           "step": step_times(), "served": served(log_dir)}
+    rec["minutes"] = (time.perf_counter() - begin) / 60
+    write_results(args.out_dir, "live-view-cost", rec, markdown(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

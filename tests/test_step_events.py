@@ -256,3 +256,22 @@ def test_vllms_own_decoder_reads_our_kv_events(tiny_llama, tmp_path):
     assert ts == batch["ts"] and rank == 0
     assert events == [[e["type"], e["block_hashes"], e.get("token_ids"),
                        e.get("parent_block_hash")] for e in batch["kv_events"]]
+
+
+def test_a_recording_draws_the_kv_pool_over_time(small_pool, tmp_path):
+    """The pictures' KV pool (bench/pages/pictures.py) from a recording:
+    each step's column is that frame's pool, coloured by request."""
+    import numpy as np
+
+    from bench.pages.pictures import pool_cells, trace_from_recording
+    path = tmp_path / "run.jsonl"
+    recorder = JsonlRecorder(str(path), small_pool.describe())
+    small_pool.enable_step_events().subscribe(recorder)
+    frames = watched_run(small_pool, shared_prefix_prompts(4))
+    recorder.close()
+    trace = trace_from_recording(path)
+    image, _, _ = pool_cells(trace)
+    assert image.shape[:2] == (40, len(frames))  # a row per block of 4, a column per step
+    for x, frame in enumerate(frames):
+        drawn = {b for b in range(40) if not np.allclose(image[b, x], 1.0)}
+        assert drawn == {b for r in frame["running"] for b in r["block_table"]}

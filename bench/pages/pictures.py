@@ -34,6 +34,9 @@ only pictures/data/: the same data give the same bytes, and each PNG
 keeps the sha256 of its data files in a text chunk, so `--check` (and
 tests/test_pictures.py) finds a picture not redrawn after its data changed.
 
+The KV pool of a live view's recording (`--record-events FILE`, the
+engine's step events) draws the same way: `--recording FILE --out PNG`.
+
 Left out: time in seconds (a step's length depends on the machine; the
 x axis is the engine step), the tokens' text, speculative and structured
 steps (chapter 07), the tensor-parallel ranks' own pools. The traces run
@@ -58,6 +61,11 @@ COMMAND = "python -m bench.pages.pictures --record"
 
 # --------------------------------------------------------------- the load
 CELL = 16  # tokens in one cell of the pool pictures: one block of chapters 04-05
+
+
+def cell_tokens(engine: dict) -> int:
+    """Tokens per cell: CELL, or a whole block when blocks are smaller (a recording's)."""
+    return min(CELL, engine["block_size"])
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,40 @@ class StepRecorder:
     def close(self) -> list[dict]:
         self.engine.scheduler.schedule = self._schedule
         return self.steps
+
+
+def trace_from_recording(path: Path) -> dict:
+    """A live view's recording (`--record-events FILE`: the engine's own step
+    events, common/engine/step_events.py) as a trace `draw_kv_pool` reads:
+    the pool after each step, each running request's table and tokens."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    config, frames = lines[0], [f for f in lines[1:] if f.get("type") == "step"]
+    order: dict[str, None] = {}  # request ids, by first appearance
+    steps = []
+    for frame in frames:
+        for row in frame["running"] + frame["waiting"] + frame["preempted"]:
+            order.setdefault(row["request_id"])
+        running = frame["running"]
+        steps.append({
+            "step": frame["step"],
+            "tables": {r["request_id"]: r["block_table"] for r in running},
+            "tokens": {r["request_id"]: r["num_computed_tokens"] for r in running},
+            "cached": {r["request_id"]: r["num_cached_tokens"] // frame["block_size"]
+                       for r in running if r["num_cached_tokens"]},
+            "shared": [[block, 2] for block, letter in enumerate(frame["blocks"])
+                       if letter == "s"],
+            "preemptions": frame["figures"]["num_preemptions"]})
+    return {"engine": {"chapter": config.get("chapter", "?"), **config},
+            "requests": [{"id": rid} for rid in order],
+            "load": {"requests": len(order), "recording": "--record-events"},
+            "steps": steps}
+
+
+def draw_recording(recording: Path, out: Path) -> Path:
+    """`--recording FILE --out PNG`: the KV pool over a recording's steps."""
+    fig = draw_kv_pool([trace_from_recording(recording)])
+    fig.savefig(out, dpi=DPI)
+    return out
 
 
 def load_prompts(tokenizer, load: Load) -> list[list[int]]:
@@ -354,6 +396,8 @@ def plural(n: int, word: str) -> str:
 
 def load_line(trace: dict) -> str:
     load = trace["load"]
+    if "recording" in load:  # a live view's recording: no load description
+        return f"{plural(load['requests'], 'request')}, recorded by {load['recording']}"
     return (f"{load['requests']} chat requests sharing a system prompt, {load['max_tokens']} "
             f"greedy tokens each, {load['arrivals_per_step']} arriving per step")
 
@@ -380,7 +424,8 @@ def pool_cells(trace: dict):
     import numpy as np
     from matplotlib.colors import to_rgb
     engine, requests, steps = trace["engine"], trace["requests"], trace["steps"]
-    per_block = engine["block_size"] // CELL
+    tokens_per_cell = cell_tokens(engine)
+    per_block = engine["block_size"] // tokens_per_cell
     image = np.ones((engine["num_blocks"] * per_block, len(steps), 3))
     dots, pale = [], False
     for x, step in enumerate(steps):
@@ -391,7 +436,7 @@ def pool_cells(trace: dict):
             for j, block in enumerate(table):
                 for k in range(per_block):
                     cell = block * per_block + k
-                    filled = tokens - (j * per_block + k) * CELL > 0
+                    filled = tokens - (j * per_block + k) * tokens_per_cell > 0
                     pale = pale or not filled
                     if block in shared:
                         image[cell, x] = to_rgb(SHARED_COLOUR)
@@ -421,7 +466,7 @@ def draw_kv_pool(traces: list[dict]):
     plt = pyplot()
     trace = traces[0]
     engine, steps = trace["engine"], trace["steps"]
-    per_block = engine["block_size"] // CELL
+    per_block = engine["block_size"] // cell_tokens(engine)
     image, dots, pale = pool_cells(trace)
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.2))
     ax.imshow(image, aspect="auto", interpolation="nearest", origin="lower",
@@ -726,7 +771,14 @@ def main(argv: list[str] | None = None) -> int:
                       help="run the engine and write the data files (make traces)")
     mode.add_argument("--check", action="store_true",
                       help="change nothing: list the pictures whose data changed (exit 1)")
+    mode.add_argument("--recording", type=Path, metavar="FILE",
+                      help="draw the KV pool over the steps of a live view's recording "
+                           "(--record-events FILE) into --out")
+    p.add_argument("--out", type=Path, default=Path("kv-pool.png"))
     args = p.parse_args(argv)
+    if args.recording:
+        print(f"[pictures] {draw_recording(args.recording, args.out)}")
+        return 0
     if args.record:
         record()
         return 0

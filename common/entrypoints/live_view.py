@@ -21,7 +21,11 @@ URL too (`/ui/?key=KEY`, as Jupyter takes its token) and the page passes it on.
 
 `python -m common.entrypoints.live_view --replay FILE` (`make watch
 REPLAY=FILE`) serves the page and a recording (`--record-events FILE`)
-with no engine: the page plays it back with the same controls.
+with no engine: the page plays it back with the same controls. With
+`--kv-events tcp://HOST:PORT` instead (`make watch-vllm`), it follows
+another engine's KV events in vLLM's format, the real vLLM's included,
+and the page draws the prefix cache they describe (vLLM says which
+hashes it caches, not where: no block ids, no queues).
 
 Left out: WebSockets (the stream only goes one way; SSE reconnects by
 itself), several engines on one page.
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import threading
 from collections import deque
 from pathlib import Path
 from typing import AsyncIterator
@@ -163,6 +168,37 @@ def watch_engine(app: FastAPI, engine, chapter: str) -> LiveView:
     return view
 
 
+# ---------------------------------------------- another engine's KV events
+def follow_kv_events(view: LiveView, endpoint: str, topic: str = "") -> None:
+    """Subscribe to a KV event stream in vLLM's format (the real vLLM's
+    `--kv-events-config`, or ours) and hand each batch to the viewers as a
+    frame of its own, `{"type": "kv", ...}`: the page draws the prefix
+    cache those events describe. A thread: it runs until the process ends."""
+    def run() -> None:
+        import msgpack
+        import zmq
+        socket = zmq.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        socket.connect(endpoint)
+        while True:
+            _, seq, payload = socket.recv_multipart()
+            ts, events, *_ = msgpack.unpackb(payload)
+            view.on_frame({"type": "kv", "step": int.from_bytes(seq, "big") + 1, "ts": ts,
+                           "kv_events": events})
+
+    threading.Thread(target=run, name="kv-events-subscriber", daemon=True).start()
+
+
+def build_kv_events_app(endpoint: str, topic: str = "") -> FastAPI:
+    """The page on another engine's KV events (`make watch-vllm`)."""
+    from common.entrypoints.middleware import new_app
+    app = new_app("Live view: KV events")
+    view = LiveView({"source": "kv-events", "endpoint": endpoint})
+    add_live_view(app, view)
+    follow_kv_events(view, endpoint, topic)
+    return app
+
+
 # ------------------------------------------------------------ replay
 def build_replay_app(recording: Path) -> FastAPI:
     """The page and one recording, no engine: `/ui/?replay=/ui/recording.jsonl`."""
@@ -190,18 +226,26 @@ def check_recording(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Replay a recording of the engine's steps "
-                                     "in the live view, with no engine.")
-    parser.add_argument("--replay", required=True, type=Path, metavar="FILE",
+    parser = argparse.ArgumentParser(description="The live view with no engine of its own: "
+                                     "a recording played back, or another engine's KV events.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--replay", type=Path, metavar="FILE",
                         help="a recording written by --record-events FILE")
+    source.add_argument("--kv-events", metavar="ENDPOINT",
+                        help="a ZeroMQ endpoint publishing KV events in vLLM's format "
+                             "(e.g. tcp://127.0.0.1:5557, the real vLLM's --kv-events-config)")
+    parser.add_argument("--topic", default="", help="the KV events' topic")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
-    check_recording(args.replay)
+    if args.replay:
+        check_recording(args.replay)
+        app, page = build_replay_app(args.replay), f"/ui/?replay={RECORDING_ROUTE}"
+    else:
+        app, page = build_kv_events_app(args.kv_events, args.topic), "/ui/"
     import uvicorn
-    print(f"replay: open http://{args.host}:{args.port}/ui/?replay={RECORDING_ROUTE}", flush=True)
-    uvicorn.run(build_replay_app(args.replay), host=args.host, port=args.port,
-                log_level="warning")
+    print(f"live view: open http://{args.host}:{args.port}{page}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -107,7 +107,7 @@ serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; withou
 bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)
 	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
 
-bench-live-view: $(STAMP) ## the live view's cost: step time with the events off and on, served tok/s at 32 clients with one viewer and without (~4 min)
+bench-live-view: $(STAMP) ## the live view's cost: step time with the events off and on, served tok/s at 32 clients with one viewer and without (~5 min)
 	$(PY) -m bench.profiles.live_view_cost
 
 bench-sweep: $(STAMP) ## tokens/s and p95 latency vs 1..64 clients, ch02 vs ch05/06: bench/sweep.png

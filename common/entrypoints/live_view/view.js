@@ -7,7 +7,10 @@
    page). Either way they land in `frames`, the kept history, and
    `draw(frame)` depends on that one frame only: replay draws a step
    exactly as live did. Every frame is kept; drawing happens at most 10
-   times a second. */
+   times a second.
+
+   Another engine's KV events (`--kv-events`, vLLM's format) come as
+   `kv` frames: kv_view.js draws the prefix cache they describe. */
 "use strict";
 (() => {
   const MAX_FRAMES = 500;      // live: the history kept for stepping back
@@ -26,9 +29,8 @@
   let paused = false;
   let connection = "reconnecting"; // live: "live", "reconnecting" or "ended"
   let replayEnded = false;     // replay: the last frame is drawn
-  let afterConfig = false;     // a config came: the server (re)started its stream
+  let checkFirstFrame = false; // a config without started_at: its first frame tells a restart
   let gaps = 0;                // frames the server dropped for this viewer
-  let pendingGap = 0;          // ...just before the next frame to arrive
   let selected = null;         // the request whose block table the side panel shows
   let source = null;           // the EventSource (live)
 
@@ -42,31 +44,102 @@
     return HUES[n % 12] + (Math.floor(n / 12) % 3) * 7;
   }
 
-  // ------------------------------------------------------- receiving frames
-  function onConfig(engineConfig) {
-    config = engineConfig;
-    afterConfig = true;
-    drawConfig();
+  // Short labels for long request ids: a served request is
+  // "chatcmpl-40f031206c8a453a8f5d735b59510ba7-0", the page writes
+  // "40f031-0" (its first 6 hex digits and the choice's number) and keeps
+  // the full id in data-request-id and the tooltip. Short ids ("req-3")
+  // stay as they are. A label another request of this run already has
+  // gets one more digit: two requests never share one. Labels are given
+  // as frames arrive, in step order: live and replay give the same ones.
+  const SERVED_ID = /^(?:chatcmpl-|cmpl-)?([0-9a-f][0-9a-f-]{7,}?)(-\d{1,4})?$/i;
+  const labels = new Map();      // request id -> its label, in this run
+  const labelled = new Map();    // label -> the request id that has it
+
+  function labelChoices(id) {    // the labels an id may take, shortest first
+    const served = SERVED_ID.exec(id);
+    const choices = [];
+    if (served) {
+      const hex = served[1].replace(/-/g, ""), choice = served[2] || "";
+      for (let n = 6; n < hex.length; n++) choices.push(hex.slice(0, n) + choice);
+    } else if (id.length > 16) { // another long id: its start
+      for (let n = 12; n < id.length; n++) choices.push(id.slice(0, n) + "…");
+    }
+    return [...choices, id];
   }
 
+  function label(id) {
+    if (labels.has(id)) return labels.get(id);
+    let text = labelChoices(id).find((choice) => !labelled.has(choice));
+    for (let n = 2; text === undefined; n++) if (!labelled.has(`${id}·${n}`)) text = `${id}·${n}`;
+    labels.set(id, text);
+    labelled.set(text, id);
+    return text;
+  }
+
+  function labelRequests(frame) { // every request of a frame, in a fixed order
+    for (const queue of ["running", "waiting", "preempted", "finished", "batch"]) {
+      for (const row of frame[queue] || []) label(row.request_id);
+    }
+  }
+
+  // JSON numbers beyond 2^53 (vLLM's 64-bit block hashes) lose their last
+  // digits as JavaScript numbers: such integers are kept as their exact text.
+  function parseJson(text) {
+    if (!/\d{16}/.test(text)) return JSON.parse(text);
+    return JSON.parse(text, (key, value, context) =>
+      Number.isInteger(value) && !Number.isSafeInteger(value) && context ? context.source : value);
+  }
+
+  // ------------------------------------------------------- receiving frames
+  const kv = makeKvView({ $, element, sizePool, cellText: () => blockText });
+
+  function newHistory() {        // a new run: its own frames, labels and chains
+    frames.length = 0;
+    labels.clear();
+    labelled.clear();
+    kv.reset();
+  }
+
+  // On each connection the server sends its config, then its last frames.
+  // The config's started_at (the engine's start) tells a restarted server
+  // (a new history) from the same one (its frames merged into ours). An
+  // older server sends none: then its first frame tells (see onFrame).
+  function onConfig(next) {
+    if (mode === "live" && config) {
+      const known = next.started_at !== undefined && config.started_at !== undefined;
+      if (known && next.started_at !== config.started_at) newHistory();
+      checkFirstFrame = !known;
+    }
+    config = next;
+    if (!shown) document.body.classList.toggle("kv", isKv());  // its panels, before any frame
+    drawConfig();
+    drawStatus();
+  }
+
+  const keptFrame = (step) => frames.findLast((f) => f.step === step);
+  const sameFrame = (kept, frame) =>
+    kept.ts === frame.ts || kept.ts === undefined || frame.ts === undefined;
+
   function onFrame(frame) {
-    let latest = frames[frames.length - 1];
-    // On each connection the server sends its config, then its recent
-    // history. A step lower than ours right after a config: the server
-    // restarted (counting from 1 again) or resends what it kept; either
-    // way its frames make a new history.
-    if (afterConfig && latest && frame.step < latest.step) {
-      frames.length = 0;
-      latest = undefined;
+    const kept = keptFrame(frame.step), latest = frames[frames.length - 1];
+    const oldRule = checkFirstFrame;
+    checkFirstFrame = false;
+    if (kept && sameFrame(kept, frame)) return;           // we have it already
+    // Another frame of a step we have, or one older than all we keep: the
+    // source started again without a new started_at (another engine's KV
+    // events count from 1 again when it restarts). After a config without
+    // started_at, the old rule: a step lower than our latest.
+    if (kept || (frames.length && frame.step < frames[0].step) ||
+        (oldRule && latest && frame.step < latest.step)) newHistory();
+    labelRequests(frame);
+    let at = frames.length;      // in step order: a reconnect fills what we lack
+    while (at > 0 && frames[at - 1].step > frame.step) at--;
+    frames.splice(at, 0, frame);
+    if (at < frames.length - 1) kv.forgetAfter(frames, at);   // later states depend on it
+    if (mode === "live" && frames.length > MAX_FRAMES) {
+      kv.keepFirst(frames);      // the cache as it was at the new first frame
+      frames.shift();
     }
-    afterConfig = false;
-    if (latest && frame.step <= latest.step) return;   // we have it already
-    if (pendingGap) {                                  // mark the gap in the history
-      frame.gapBefore = pendingGap;
-      pendingGap = 0;
-    }
-    frames.push(frame);
-    if (mode === "live" && frames.length > MAX_FRAMES) frames.shift();
   }
 
   // ------------------------------------------------------------------ live
@@ -79,28 +152,30 @@
     // unless the server answered with an error (CLOSED: a wrong key...).
     source.onerror = () =>
       setConnection(source.readyState === EventSource.CLOSED ? "ended" : "reconnecting");
-    source.addEventListener("config", (e) => onConfig(JSON.parse(e.data)));
-    source.addEventListener("step", (e) => onFrame(JSON.parse(e.data)));
-    source.addEventListener("gap", (e) => {
-      const dropped = JSON.parse(e.data).dropped;
-      gaps += dropped;
-      pendingGap += dropped;
+    source.addEventListener("config", (e) => onConfig(parseJson(e.data)));
+    source.addEventListener("step", (e) => onFrame(parseJson(e.data)));
+    source.addEventListener("gap", (e) => {   // the history note shows where
+      gaps += JSON.parse(e.data).dropped;
       drawStatus();
     });
   }
 
   // ---------------------------------------------------------------- replay
   // A recording (--record-events FILE): JSON lines, the config first, then
-  // one step frame per line. It plays from its first frame, 10 a second.
+  // one frame per line ("step", or "kv" for another engine's KV events).
+  // It plays from its first frame, 10 a second.
   function loadRecording(text) {
     if (source) source.close();
     mode = "replay";
-    frames.length = 0;
+    newHistory();
     for (const line of text.split("\n")) {
       let record;
-      try { record = JSON.parse(line); } catch { continue; } // blank, or cut short by a crash
+      try { record = parseJson(line); } catch { continue; } // blank, or cut short by a crash
       if (record.type === "config") onConfig(record);
-      else if (record.type === "step") frames.push(record);
+      else if (record.type === "step" || record.type === "kv") {
+        labelRequests(record);
+        frames.push(record);
+      }
     }
     paused = false;
     replayEnded = !frames.length;
@@ -175,9 +250,23 @@
   }
 
   // --------------------------------------------------------------- drawing
+  let kvDrawn = false;               // the pool holds kv_view.js's cells
+  const isKv = () => (shown ? shown.type === "kv" : Boolean(config && config.source === "kv-events"));
+
   function draw(frame) {
     shown = frame;
     document.body.dataset.step = frame.step;
+    if (isKv() !== kvDrawn) {        // the other mode's cells go, the panels change
+      kvDrawn = isKv();
+      document.body.classList.toggle("kv", kvDrawn);
+      $("pool").replaceChildren();
+      blockEls = [];
+    }
+    if (kvDrawn) {
+      kv.draw(frames, frames.indexOf(frame));
+      drawStatus();
+      return;
+    }
     const usedDrawn = drawPool(frame);
     drawQueues(frame);
     drawBatch(frame);
@@ -189,7 +278,8 @@
   // The pool: one element per block, made once, then only changed (a pool
   // can have thousands of blocks).
   let blockEls = [];
-  let labels = "none";             // what a block says: "none", "id" or "tokens"
+  let blockText = "none";          // what a block says: "none", "id" or "tokens"
+  let sizedFor = 0;                // the cells the pool is sized for
   let owners = [], tokens = [];    // in the drawn frame: each block's first holder, its tokens
 
   function buildPool(numBlocks) {
@@ -204,18 +294,21 @@
       fragment.appendChild(el);
     }
     $("pool").replaceChildren(fragment);
-    sizePool();
+    sizePool(numBlocks);
   }
 
-  // Blocks as large as fit: the pool's width, about 40% of the window's height.
-  function sizePool() {
-    const pool = $("pool"), n = blockEls.length || 1, gap = n > 400 ? 1 : 3;
-    const width = pool.clientWidth, height = Math.max(220, window.innerHeight * 0.4);
+  // Cells as large as fit: the pool's width, about 40% of the window's
+  // height (60% for the KV events' prefix cache, alone on its side).
+  function sizePool(cells = sizedFor) {
+    sizedFor = cells;
+    const pool = $("pool"), n = cells || 1, gap = n > 400 ? 1 : 3;
+    const share = document.body.classList.contains("kv") ? 0.6 : 0.4;
+    const width = pool.clientWidth, height = Math.max(220, window.innerHeight * share);
     let cell = Math.min(120, Math.floor(Math.sqrt((width * height) / n)));
     while (cell > 6 && Math.ceil(n / Math.floor(width / (cell + gap))) * (cell + gap) > height) cell--;
     pool.style.setProperty("--cell", cell + "px");
     pool.style.setProperty("--gap", gap + "px");
-    labels = cell >= 72 ? "tokens" : cell >= 26 ? "id" : "none";
+    blockText = cell >= 72 ? "tokens" : cell >= 26 ? "id" : "none";
     pool.classList.toggle("small", cell < 14);    // no borders: colour only
     for (const el of blockEls) el.drawn = null;   // draw every block again
   }
@@ -244,8 +337,8 @@
       const held = kind === "used" || kind === "shared";
       const owner = held ? owners[i] : undefined;    // none: held by no running request
       if (held) usedDrawn++;
-      const text = labels === "none" ? "" :
-        labels === "tokens" && owner !== undefined ? `${i}\n${tokens[i]} of ${size}` : String(i);
+      const text = blockText === "none" ? "" :
+        blockText === "tokens" && owner !== undefined ? `${i}\n${tokens[i]} of ${size}` : String(i);
       const look = [kind, owner, tokens[i], selectedBlocks.has(i), text].join("|");
       const el = blockEls[i];
       if (el.drawn === look) continue;               // unchanged since the last drawing
@@ -265,8 +358,9 @@
     const kind = KIND[shown.blocks[i]];
     if (kind === "free") return `block ${i}: free`;
     if (kind === "cached") return `block ${i}: free, its tokens kept for the prefix cache`;
+    const holder = owners[i] ? `${label(owners[i])} (${owners[i]})` : "no running request";
     return `block ${i}: ${kind === "shared" ? "shared, first holder" : "held by"} ` +
-      `${owners[i] || "no running request"}, ${tokens[i]} of ${shown.block_size} tokens`;
+      `${holder}, ${tokens[i]} of ${shown.block_size} tokens`;
   }
 
   function element(tag, className, text) {
@@ -276,12 +370,13 @@
     return el;
   }
 
-  // The queues: one chip per request, in the request's colour.
+  // The queues: one chip per request, in the request's colour, its short
+  // label shown, its full id in the tooltip.
   function requestItem(requestId, text, title = "") {
     const li = element("li", "", text);
     li.dataset.requestId = requestId;
     li.style.setProperty("--hue", hue(requestId));
-    li.title = title;
+    li.title = requestId + (title ? "\n" + title : "");
     li.toggleAttribute("data-selected", requestId === selected);
     return li;
   }
@@ -294,7 +389,7 @@
 
   function drawQueues(frame) {
     // "req-3 21+5 ⟲1": 21 prompt tokens, 5 output tokens, preempted once
-    const chip = (r) => `${r.request_id} ${r.num_prompt_tokens}+${r.num_output_tokens}` +
+    const chip = (r) => `${label(r.request_id)} ${r.num_prompt_tokens}+${r.num_output_tokens}` +
       (r.num_preemptions ? ` ⟲${r.num_preemptions}` : "");
     fillList("running", frame.running, (r) => requestItem(r.request_id, chip(r),
       `${r.block_table.length} blocks, ${r.num_computed_tokens} tokens computed ` +
@@ -303,7 +398,7 @@
     fillList("preempted", frame.preempted, (r) => requestItem(r.request_id, chip(r),
       "its blocks were freed: its prompt and output will be computed again"));
     fillList("finished", frame.finished, (r) =>
-      requestItem(r.request_id, `${r.request_id} (${r.finish_reason})`));
+      requestItem(r.request_id, `${label(r.request_id)} (${r.finish_reason})`));
   }
 
   // The batch: what the step fed, per request, against the step's token budget.
@@ -317,7 +412,7 @@
       const bar = element("span", "bar", "");
       bar.style.width = Math.min(100, (100 * row.num_tokens) / budget) + "%";
       const drafts = row.num_drafts ? ` (${row.num_drafts} drafts, ${row.num_accepted} kept)` : "";
-      li.append(element("span", "who", row.request_id), element("span", "kind", row.kind), bar,
+      li.append(element("span", "who", label(row.request_id)), element("span", "kind", row.kind), bar,
         element("span", "tokens", row.num_tokens + drafts));
       return li;
     }));
@@ -350,13 +445,15 @@
     box.toggleAttribute("data-request-id", selected !== null);
     if (selected === null) {
       title.textContent = "Click a request, or a block, to see its block table.";
+      title.title = "";
       return;
     }
     box.dataset.requestId = selected;
+    title.title = selected;          // the full id; the heading has its label
     const row = frame.running.find((r) => r.request_id === selected);
     const find = (queue) => frame[queue].find((r) => r.request_id === selected);
     if (!row) {
-      title.textContent = `${selected}: ` + (
+      title.textContent = `${label(selected)}: ` + (
         find("waiting") ? "waiting, no blocks yet." :
         find("preempted") ? "preempted: its blocks were freed, it will be computed again." :
         find("finished") ? `finished (${find("finished").finish_reason}): its blocks were freed.` :
@@ -365,7 +462,7 @@
     }
     const size = frame.block_size;
     const hits = Math.floor(row.num_cached_tokens / size);   // entries found in the prefix cache
-    title.textContent = `${selected}: ${row.block_table.length} blocks, ` +
+    title.textContent = `${label(selected)}: ${row.block_table.length} blocks, ` +
       `${row.num_computed_tokens} tokens computed, ${row.num_cached_tokens} of them found ` +
       "in the prefix cache (★). Striped: shared with another request.";
     list.replaceChildren(...row.block_table.map((b, j) => {
@@ -386,12 +483,17 @@
 
   function drawConfig() {
     const c = config;
+    if (c.source === "kv-events") {
+      $("engine-config").textContent = `another engine's KV events (vLLM's format) from ${c.endpoint}`;
+      return;
+    }
+    const started = c.started_at && `started ${new Date(c.started_at * 1000).toLocaleTimeString()}`;
     $("engine-config").textContent = [
       c.chapter && `chapter ${c.chapter}`, c.model, c.scheduler,
       `${c.num_blocks} blocks × ${c.block_size} tokens`, `at most ${c.max_num_seqs} requests`,
       `${c.max_num_batched_tokens} tokens a step`,
       `prefix caching ${c.enable_prefix_caching ? "on" : "off"}`,
-      c.speculative && "speculative decoding",
+      c.speculative && "speculative decoding", started,
     ].filter(Boolean).join(" · ");
   }
 
@@ -409,7 +511,7 @@
 
   function drawStatus() {
     const now = status();
-    document.body.dataset.mode = mode;
+    document.body.dataset.mode = mode === "live" && isKv() ? "kv-events" : mode;
     document.body.dataset.status = now;
     $("status").className = now;
     $("status").textContent = STATUS_TEXT[now] +
@@ -421,13 +523,18 @@
     $("history").value = currentIndex();
     if (!shown) return;
     $("step-number").textContent = shown.step;
-    $("history-note").textContent = `(${currentIndex() + 1} of ${frames.length} kept)` +
-      (shown.gapBefore ? ` ⚠ ${shown.gapBefore} frames dropped just before this step` : "");
+    // Steps count one by one: a kept frame whose step is not the one after
+    // the previous kept frame's had frames dropped before it.
+    const index = currentIndex(), before = frames[index - 1];
+    const missing = before && frames[index] === shown ? shown.step - before.step - 1 : 0;
+    $("history-note").textContent = `(${index + 1} of ${frames.length} kept)` +
+      (missing > 0 ? ` ⚠ ${missing} frames dropped just before this step` : "");
   }
 
   // What is drawn now, as one canonical string (the tests compare a live
   // drawing with a replayed one of the same step).
   function summary() {
+    if (kvDrawn) return kv.summary();
     const ids = (id) => [...$(id).children].map((li) => li.dataset.requestId).join(",");
     const blocks = blockEls.map((el) =>
       el.className.replace("block ", "") + (el.dataset.owner ? ":" + el.dataset.owner : ""));
@@ -449,14 +556,19 @@
     if (button) { e.preventDefault(); $(button).click(); }
   });
   // Clicking a request (a chip, a batch row, a block) shows its block table.
+  // In the KV events' prefix cache, clicking a cell picks out its chain.
   document.querySelector("main").addEventListener("click", (e) => {
     const block = e.target.closest("#pool .block");
     const item = e.target.closest("li[data-request-id]");
-    if (block && block.dataset.owner) select(block.dataset.owner);
+    if (block && block.dataset.chain) {
+      kv.select(Number(block.dataset.chain));
+      draw(shown);
+    } else if (block && block.dataset.owner) select(block.dataset.owner);
     else if (item) select(item.dataset.requestId);
   });
   $("pool").addEventListener("mouseover", (e) => {
     if (shown && e.target.dataset.block) e.target.title = describeBlock(Number(e.target.dataset.block));
+    else if (e.target.dataset.hash) e.target.title = kv.describe(e.target);
   });
   window.addEventListener("resize", () => {
     sizePool();

@@ -74,6 +74,17 @@ class Viewer:
         self.frames.append(text)
         self.ready.set()
 
+    def take(self) -> str:
+        """Everything waiting, as one write (a `gap` first if frames were
+        dropped): a tab closed mid-burst costs one failed write, not one
+        per frame (asyncio logs a warning for each write after the first)."""
+        text = sse("gap", json.dumps({"dropped": self.dropped})) if self.dropped else ""
+        text += "".join(sse("step", frame) for frame in self.frames)
+        self.frames.clear()
+        self.dropped = 0
+        self.ready.clear()
+        return text
+
 
 class LiveView:
     """Fans the engine's frames out to the viewers (see the module docstring)."""
@@ -119,9 +130,7 @@ class LiveView:
         self.viewers.add(viewer)
         log.info("live view: a viewer joined (%d watching)", len(self.viewers))
         try:
-            yield sse("config", self.config_text)
-            for text in backlog:
-                yield sse("step", text)
+            yield sse("config", self.config_text) + "".join(sse("step", t) for t in backlog)
             while not self.stopping:
                 try:
                     await asyncio.wait_for(viewer.ready.wait(), HEARTBEAT_S)
@@ -130,12 +139,7 @@ class LiveView:
                         return
                     yield ": idle\n\n"
                     continue
-                viewer.ready.clear()
-                if viewer.dropped:
-                    yield sse("gap", json.dumps({"dropped": viewer.dropped}))
-                    viewer.dropped = 0
-                while viewer.frames:
-                    yield sse("step", viewer.frames.popleft())
+                yield viewer.take()
         finally:
             self.viewers.discard(viewer)
             log.info("live view: a viewer left (%d watching)", len(self.viewers))

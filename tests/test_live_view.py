@@ -29,16 +29,28 @@ class Browser:
         return self.gone
 
 
-def parse(event: str) -> tuple[str, dict]:
-    head, data = event.strip().split("\n")
-    return head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+def parse(write: str) -> list[tuple[str, dict]]:
+    """One write of the stream: its events (the frames waiting go out together)."""
+    events = []
+    for event in write.strip().split("\n\n"):
+        head, data = event.split("\n")
+        events.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
+
+
+async def read(stream, count: int) -> list[tuple[str, dict]]:
+    """The stream's next `count` events, over as many writes as they take."""
+    events = []
+    while len(events) < count:
+        events += parse(await anext(stream))
+    assert len(events) == count, events
+    return events
 
 
 async def joined(view: LiveView):
-    """A viewer's stream, past its config event."""
+    """A viewer's stream, past its config event (no history before it)."""
     stream = view.stream(Browser())
-    kind, _ = parse(await anext(stream))
-    assert kind == "config"
+    assert [kind for kind, _ in await read(stream, 1)] == ["config"]
     return stream
 
 
@@ -51,7 +63,7 @@ def test_a_slow_viewer_loses_its_oldest_frames_and_is_told():
         for step in range(1, VIEWER_QUEUE + 11):
             view.on_frame({"step": step})  # returns at once, whoever reads
         await asyncio.sleep(0)  # the event loop hands them out
-        events = [parse(await anext(stream)) for _ in range(VIEWER_QUEUE + 1)]
+        events = await read(stream, VIEWER_QUEUE + 1)
         assert events[0] == ("gap", {"dropped": 10})
         assert [data["step"] for _, data in events[1:]] == list(range(11, VIEWER_QUEUE + 11))
     asyncio.run(scenario())
@@ -65,7 +77,7 @@ def test_ten_viewers_get_every_frame():
             view.on_frame({"step": step})
         await asyncio.sleep(0)
         for stream in streams:
-            assert [parse(await anext(stream))[1]["step"] for _ in range(5)] == [1, 2, 3, 4, 5]
+            assert [data["step"] for _, data in await read(stream, 5)] == [1, 2, 3, 4, 5]
         assert len(view.viewers) == 10
     asyncio.run(scenario())
 
@@ -75,9 +87,10 @@ def test_a_new_viewer_gets_the_last_frames_at_once():
         view = LiveView({"chapter": "05"})
         for step in range(1, HISTORY + 6):
             view.on_frame({"step": step})  # no viewer yet: kept in the history
-        stream = await joined(view)
-        first = [parse(await anext(stream))[1]["step"] for _ in range(HISTORY)]
-        assert first == list(range(6, HISTORY + 6))
+        stream = view.stream(Browser())
+        config, *first = parse(await anext(stream))  # one write
+        assert config[0] == "config"
+        assert [data["step"] for _, data in first] == list(range(6, HISTORY + 6))
     asyncio.run(scenario())
 
 

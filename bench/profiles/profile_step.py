@@ -108,7 +108,7 @@ def instrument(engine: LLMEngine, timers: Timers) -> contextlib.ExitStack:
         (runner, "prepare_inputs", "prepare inputs"),
         (engine.scheduler, "update_from_output", "update from output"),
         (engine.output_processor, "process", "output processor (detokenize, stops)"),
-        (runner, "sampler", "sampler"),
+        (runner.sampling, "sampler", "sampler"),
         (model, "compute_logits", "LM head"),
         (model, "embed", "embedding"),
         (model, "attention", "attention block (all)"),
@@ -191,7 +191,7 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
         def argmax_sampler(logits, states):
             assert all(state.plain_greedy for state in states)
             return [SampledToken(t) for t in logits.float().argmax(dim=-1).tolist()]
-        return patch.object(runner, "sampler", argmax_sampler)
+        return patch.object(runner.sampling, "sampler", argmax_sampler)
 
     def unpacked() -> contextlib.ExitStack:  # what cpu_gemm builds where nothing packs
         with patch.object(cpu_gemm, "packs_weights", lambda weight: False):

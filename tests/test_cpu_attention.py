@@ -59,6 +59,30 @@ def test_decode_kernel_matches_the_reference(dtype, heads, block_size):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", [
+    [(5, 5), (36, 36), (3, 40)],  # (query_len, context_len): short prompts, a chunk's tail
+    [(100, 200), (64, 64)],  # a long chunk (the reference) beside a short one
+    [(120, 130)],  # long only
+])
+def test_prefill_as_decode_rows_matches_the_reference(dtype, chunks):
+    """Issue 35: short prefill chunks through the decode kernel, one row per
+    new token, the long ones through the reference: the causal result."""
+    kernel_or_skip()
+    query_lens = [q for q, _ in chunks]
+    _, k_cache, v_cache, tables, lens = random_paged_batch(
+        [c for _, c in chunks], 9, 3, 64, 16, dtype)
+    gen = torch.Generator().manual_seed(len(chunks))
+    query = torch.randn(sum(query_lens), 9, 64, generator=gen).to(dtype)
+    loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = cpu_attention.CpuOps.paged_prefill_attention(query, k_cache, v_cache, tables, loc,
+                                                       lens, 0.125)
+    expected = attention.paged_prefill_attention(query.float(), k_cache.float(),
+                                                 v_cache.float(), tables, loc, lens, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_decode_kernel_takes_a_strided_query():
     """The engine's query is a view of the fused q/k/v product."""
     kernel = kernel_or_skip()

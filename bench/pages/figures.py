@@ -66,6 +66,7 @@ RENDERERS = {
     "bench.experiments.levers": "markdown",
     "bench.profiles.profile_step": "markdown",
     "bench.profiles.live_view_cost": "markdown",
+    "bench.profiles.prefill_attention": "markdown",
     "bench.experiments.spec_decode": "markdown",
     "bench.experiments.structured_outputs": "markdown",
     "bench.experiments.tensor_parallel": "markdown",

@@ -51,6 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import prompt_messages
+from bench.profiles.gemm_bandwidth import read_bandwidth_gb_s
 from bench.experiments.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -279,6 +280,17 @@ def flops_per_token(hf_model, context: int) -> float:
     return 2 * (linear + hf_model.lm_head.weight.numel()) + attention
 
 
+def step_bytes(hf_model, contexts: list[int]) -> int:
+    """What a decode step must read at least: every weight once (a tied
+    head counted once), and the K and V of every token each sequence attends."""
+    weights = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+                    * hf_model.dtype.itemsize)
+    return weights + sum(contexts) * kv_per_token
+
+
 def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -323,6 +335,7 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
     step_flops = seqs * flops_per_token(loaded.model, sum(contexts) // len(contexts))
     roofline = gemm_roofline(loaded.model.dtype)
     return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps, "ab": ab,
+            "step_bytes": step_bytes(loaded.model, contexts), "read_gb_s": read_bandwidth_gb_s(),
             "step_gflops": step_flops / 1e9, "gflop_s": step_flops / step_s / 1e9,
             "roofline_gflop_s": roofline,
             "context_min": min(contexts), "context_max": max(contexts),
@@ -356,6 +369,18 @@ def markdown(rec: dict) -> str:
         lines += [f"| {r['dtype']} | {r['seqs']} | {r['step_gflops']:.1f} | {r['gflop_s']:.0f} | "
                   f"{r['roofline_gflop_s']:.0f} | {100 * r['gflop_s'] / r['roofline_gflop_s']:.0f} |"
                   for r in rec["runs"]]
+    if all("step_bytes" in r for r in rec["runs"]):
+        lines += ["", "Against memory: the bytes a decode step must read (the weights once, "
+                  "the K/V it attends) at this machine's read speed (a sum over 256 MiB, "
+                  "bench/profiles/gemm_bandwidth.py), over the step's time (issue 35 "
+                  "asks for at least 50 % at 64 sequences):", "",
+                  "| dtype | seqs | MB a step | read GB/s | ms at that speed | ms a step | % |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rec["runs"]:
+            floor_ms = r["step_bytes"] / (r["read_gb_s"] * 1e9) * 1e3
+            lines.append(f"| {r['dtype']} | {r['seqs']} | {r['step_bytes'] / 1e6:.0f} | "
+                         f"{r['read_gb_s']:.1f} | {floor_ms:.1f} | {r['step_ms']:.1f} | "
+                         f"{100 * floor_ms / r['step_ms']:.0f} |")
     if any(r.get("ab") for r in rec["runs"]):
         lines += ["", "Each change of issue 22 against its previous version, in turn on the "
                   "same running batch (median ms per decode step):", "",

@@ -538,6 +538,12 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
 
 
 # -------------------------------------------------------------- the record
+def record_head(command: str) -> dict:
+    """A results record's first fields: when, on what machine, by which command."""
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine(), "command": command}
+
+
 def write_results(out_dir: Path, kind: str, rec: dict, markdown_text: str) -> Path:
     """bench/results/DATE-HOST-KIND.{json,md}: the record and its table,
     printed too. Returns the path without its suffix."""

@@ -23,14 +23,13 @@ Left out: float16, quantized weights (ch08's levers), more than one socket.
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.bench import bf16_words, machine, write_results
+from bench.bench import bf16_words, record_head, write_results
 from common.layers.cpu_gemm import PackedLinear, packs_weights
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV heads of 64, vocabulary 49,152
@@ -126,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 for dtype in (torch.bfloat16, torch.float32)
                 if dtype == torch.float32 or packs_weights(torch.zeros(1, dtype=dtype))
                 for rows in (32, 64) for name, shape in PRODUCTS.items()]
-    rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": machine(), "command": "python -m bench.profiles.gemm_bandwidth",
+    rec = {**record_head("python -m bench.profiles.gemm_bandwidth"),
            "read_gb_s": read_bandwidth_gb_s(), "products": products,
            "mkl": mkl_packed_rows() if torch.backends.mkl.is_available() else None,
            "minutes": (time.perf_counter() - begin) / 60}

@@ -24,7 +24,6 @@ the same 2 cores it would take CPU from both sides alike).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import threading
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import bf16_words, machine, write_results
+from bench.bench import bf16_words, record_head, write_results
 from bench.loadtest import ChapterServer, free_port, run_load
 from common.entrypoints.live_view import HISTORY
 
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     log_dir = Path("/tmp/live-view-cost")
     log_dir.mkdir(exist_ok=True)
-    rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": machine(), "command": "python -m bench.profiles.live_view_cost",
+    rec = {**record_head("python -m bench.profiles.live_view_cost"),
            "step": step_times(), "served": served(log_dir)}
     rec["minutes"] = (time.perf_counter() - begin) / 60
     write_results(args.out_dir, "live-view-cost", rec, markdown(rec))

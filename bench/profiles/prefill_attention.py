@@ -15,13 +15,12 @@ Left out: the store of K/V (the same for both), the rest of the layer.
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
 import torch
 
-from bench.bench import bf16_words, machine, write_results
+from bench.bench import bf16_words, record_head, write_results
 from common.layers.attention import paged_prefill_attention
 from common.layers.cpu_attention import SHORT_CHUNK, prefill_as_decode_rows
 
@@ -88,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     runs = [one_shape(dtype, *shape) for dtype in (torch.float32, torch.bfloat16)
             for shape in SHAPES]
-    rec = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": machine(), "command": "python -m bench.profiles.prefill_attention",
+    rec = {**record_head("python -m bench.profiles.prefill_attention"),
            "short_chunk": SHORT_CHUNK, "runs": runs, "seconds": time.perf_counter() - begin}
     write_results(args.out_dir, "prefill-attention", rec, markdown(rec))
     return 0

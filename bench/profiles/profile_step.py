@@ -64,6 +64,7 @@ from common.layers.elementwise import CpuElementwise, TorchElementwise
 from common.layers.logits import lm_head_gemm
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template, load_model
+from common.memory import kv_bytes_per_token, weight_bytes
 from common.models import llama as llama_module
 from common.sampling_params import SamplingParams
 
@@ -283,12 +284,8 @@ def flops_per_token(hf_model, context: int) -> float:
 def step_bytes(hf_model, contexts: list[int]) -> int:
     """What a decode step must read at least: every weight once (a tied
     head counted once), and the K and V of every token each sequence attends."""
-    weights = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-    cfg = hf_model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
-                    * hf_model.dtype.itemsize)
-    return weights + sum(contexts) * kv_per_token
+    return (weight_bytes(hf_model)
+            + sum(contexts) * kv_bytes_per_token(hf_model.config, hf_model.dtype))
 
 
 def start_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:

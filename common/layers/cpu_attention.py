@@ -89,19 +89,15 @@ class CpuOps(TorchOps):
         (issue 35): short chunks as decode rows, the long ones (a long
         prompt's chunks) through the reference."""
         query_lens = query_start_loc.diff()  # (S,)
-        short = (query_lens * context_lens <= SHORT_CHUNK).tolist()
-        if all(short):
-            return prefill_as_decode_rows(query, k_cache, v_cache, block_tables,
-                                          query_start_loc, context_lens, scale)
-        if not any(short):
-            return TorchOps.paged_prefill_attention(query, k_cache, v_cache, block_tables,
-                                                    query_start_loc, context_lens, scale)
+        short = query_lens * context_lens <= SHORT_CHUNK  # (S,)
+        if short.all() or not short.any():  # one kind of chunk: the whole batch in one call
+            attend = prefill_as_decode_rows if short.all() else TorchOps.paged_prefill_attention
+            return attend(query, k_cache, v_cache, block_tables, query_start_loc,
+                          context_lens, scale)
         out = torch.empty_like(query)
-        starts = query_start_loc.tolist()
-        for run, attend in ((True, prefill_as_decode_rows),
-                            (False, TorchOps.paged_prefill_attention)):
-            seqs = [i for i, s in enumerate(short) if s == run]
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+        short_rows = short.repeat_interleave(query_lens.long())  # (T,)
+        for seqs, rows, attend in ((short, short_rows, prefill_as_decode_rows),
+                                   (~short, ~short_rows, TorchOps.paged_prefill_attention)):
             lens = query_lens[seqs]
             loc = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(query_start_loc.dtype)
             out[rows] = attend(query[rows], k_cache, v_cache, block_tables[seqs], loc,

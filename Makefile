@@ -196,19 +196,27 @@ vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run f
 	$(PY) -m bench.peers.vllm_steps
 
 # What bench/gpu_check.sh installs on a GPU machine that has torch, triton
-# and transformers (Python 3.12, x86-64): the web stack, the metrics, plots.
+# and transformers (Python 3.12, x86-64): the web stack, the metrics, plots,
+# the engine's stop strings (pyahocorasick) and JSON Schema checks.
 GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
   annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 \
   annotated-doc==0.0.7 anyio==4.16.0 sniffio==1.3.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 \
   charset-normalizer==3.5.3 idna==3.20 prometheus_client==0.26.0 matplotlib==3.11.2 \
   contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pillow==13.0.0 \
-  pyparsing==3.3.3 python-dateutil==4.0.0 six==1.17.0 tqdm==4.70.1
+  pyparsing==3.3.3 python-dateutil==4.0.0 six==1.17.0 tqdm==4.70.1 \
+  typing-extensions==4.16.0 opentelemetry-api==1.45.2 pyahocorasick==2.3.1 \
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
 
 gpu-wheels: ## download the wheels bench/gpu_check.sh installs on a GPU machine (.whl/)
 	mkdir -p .whl && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	@# the embedded model's config and tokenizer, not its weights (too large to travel):
+	@# the GPU machine loads it with --load-format dummy
+	d=$$(HF_HUB_OFFLINE=1 PYTHONPATH=. $(PY) -c 'from common.loader import convert_embedded_model as c; print(c())') && \
+	  mkdir -p .whl/llm-course-cache/$$(basename $$d) && \
+	  cp $$d/*.json $$d/*.jinja .whl/llm-course-cache/$$(basename $$d)/
 
 slides: ## CH=01: show a chapter's slides in mdp
 	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md

@@ -13,5 +13,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 else
     export PYTHONPATH="$PWD"
 fi
+# the embedded model's config and tokenizer (make gpu-wheels copies them; no weights)
+[ -d .whl/llm-course-cache ] && export LLM_COURSE_CACHE="$PWD/.whl/llm-course-cache"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -m bench.gpu.gpu_check --out "${OUT:-bench/results/gpu-check}" "$@"

@@ -164,7 +164,16 @@ def _probe_logits(model: PreTrainedModel) -> torch.Tensor:
 
 
 def _embedded_cache_dir() -> Path:
-    gguf = embedded_gguf_path()
+    """Where the converted copy lives. Without the package, an existing copy
+    will do (a GPU machine gets the config and tokenizer carried to it and
+    loads `--load-format dummy`: the GGUF is too large to travel)."""
+    try:
+        gguf = embedded_gguf_path()
+    except ModelLoadError:
+        copies = sorted(CACHE_DIR.glob("SmolLM2-135M-Instruct*/config.json"))
+        if copies:
+            return copies[-1].parent
+        raise
     return CACHE_DIR / f"{gguf.stem}-{gguf.stat().st_size}"
 
 

@@ -106,7 +106,8 @@ class Card:
             if device_memory_gb:
                 # Utilization is applied on top, as on a real card of that size.
                 fraction = min(1.0, self.budget_bytes / real)
-                torch.cuda.set_per_process_memory_fraction(fraction, device)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                torch.cuda.set_per_process_memory_fraction(fraction, index)
 
     # -- what the engine may use ------------------------------------------
     @property

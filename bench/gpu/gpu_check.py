@@ -14,9 +14,10 @@ one run tells everything:
    `model.generate`'s for a tiny random Llama and a tiny random GPT-2
    (`--load-format dummy`), eager and with CUDA graphs.
 3. `demo`: the card capped with `torch.cuda.set_per_process_memory_fraction`
-   (`--device-memory-gb 1.1`, float32): the second of two clients of
-   chapter 02 gets CUDA's own out-of-memory error, the server stays up,
-   and chapter 05 serves the same load on the same card.
+   (`--device-memory-gb 1.1`, float32, the default model's shape with
+   dummy weights): the second of two clients of chapter 02 gets CUDA's own
+   out-of-memory error, the server stays up, and chapter 05 serves the
+   same load on the same card.
 4. `bench`: `make bench-gpu` (dummy Llama-1B, bfloat16, 64 and 256 clients,
    chapters 02, 05, 06 and transformers' peers), within what is left of
    the budget.
@@ -35,6 +36,7 @@ import argparse
 import datetime
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -58,8 +60,19 @@ class Step:
     log_tail: str = ""
 
 
+def cpu_model() -> str | None:
+    """The host CPU's name, as /proc/cpuinfo gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
+    info = {"cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "gpu": None, "driver": None, "triton": None}
     try:
         import triton
@@ -78,16 +91,24 @@ def machine() -> dict:
 
 
 def run_command(step: Step, command: list[str], timeout: float) -> int:
-    """Run a command of the repository; keep the end of its output."""
+    """Run a command of the repository; keep the end of its output. Out of
+    time, it gets Ctrl-C first, so that the servers it started (each in its
+    own session) are stopped by its `with` blocks, not left holding the GPU."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired as exc:
-        step.log_tail = ((exc.stdout or b"").decode(errors="replace")
-                         if isinstance(exc.stdout, bytes) else (exc.stdout or ""))[-4000:]
+        output, _ = process.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+        step.log_tail = (output or "")[-4000:]
         raise RuntimeError(f"timed out after {timeout:.0f} s") from None
-    step.log_tail = (done.stdout + done.stderr)[-4000:]
-    return done.returncode
+    step.log_tail = output[-4000:]
+    return process.returncode
 
 
 # ------------------------------------------------------------------ steps
@@ -140,7 +161,9 @@ def step_demo(step: Step, budget: float) -> None:
 
     logs = Path("/tmp/gpu-check-logs")
     logs.mkdir(exist_ok=True)
-    card = ["--device-memory-gb", "1.1", "--dtype", "float32"]
+    # The default model's shape with random weights: the memory story is the
+    # shape's, and its weights are too large to carry to a GPU machine.
+    card = ["--device-memory-gb", "1.1", "--dtype", "float32", "--load-format", "dummy"]
     with ChapterServer("02", 8702, card, logs / "ch02.log") as server:
         naive = run_load(server.url, 2, 1, max_tokens=64, timeout=120, deadline=budget / 2)
         alive = server.alive()
@@ -161,9 +184,9 @@ def step_demo(step: Step, budget: float) -> None:
     step.log_tail = oom_text[-2000:]
 
 
-def step_bench(step: Step, budget: float, out: Path) -> None:
+def step_bench(step: Step, budget: float, out: Path, extra: list[str]) -> None:
     code = run_command(step, [sys.executable, "-m", "bench.bench", "--preset", "gpu",
-                              "--out-dir", str(out)], budget)
+                              "--out-dir", str(out), *extra], budget)
     tables = sorted((out / "results").glob("*-gpu.md"))
     if tables:
         step.figures = {"table": tables[-1].read_text()[-3000:]}
@@ -172,17 +195,22 @@ def step_bench(step: Step, budget: float, out: Path) -> None:
 
 
 def missing_server_packages() -> list[str]:
+    """The web stack's packages that do not import, each with the reason."""
     missing = []
-    for name in ("fastapi", "uvicorn", "requests", "matplotlib"):
+    for name in ("fastapi", "uvicorn", "requests", "matplotlib", "ahocorasick", "jsonschema"):
         try:
             __import__(name)
-        except ImportError:
-            missing.append(name)
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
     return missing
 
 
 # ------------------------------------------------------------------- main
-def run_steps(out: Path, budget_s: float) -> list[Step]:
+STEP_NAMES = ("kernels", "equivalence", "demo", "bench")
+
+
+def run_steps(out: Path, budget_s: float, only: tuple[str, ...] = STEP_NAMES,
+              bench_args: list[str] | None = None) -> list[Step]:
     start = time.monotonic()
 
     def left() -> float:
@@ -192,8 +220,9 @@ def run_steps(out: Path, budget_s: float) -> list[Step]:
         ("kernels", step_kernels, 0.2),
         ("equivalence", step_equivalence, 0.15),
         ("demo", step_demo, 0.25),
-        ("bench", lambda s, b: step_bench(s, b, out), 1.0),
+        ("bench", lambda s, b: step_bench(s, b, out, bench_args or []), 1.0),
     ]
+    plan = [entry for entry in plan if entry[0] in only]
     steps = []
     for name, function, share in plan:
         step = Step(name)
@@ -203,7 +232,7 @@ def run_steps(out: Path, budget_s: float) -> list[Step]:
             continue
         missing = missing_server_packages() if name in ("demo", "bench") else []
         if missing:
-            step.detail = f"skipped: {', '.join(missing)} not installed (see gpu_check.sh)"
+            step.detail = f"skipped: {'; '.join(missing)} does not import (see gpu_check.sh)"
             continue
         if left() < 20:
             step.detail = "skipped: out of time"
@@ -223,16 +252,22 @@ def run_steps(out: Path, budget_s: float) -> list[Step]:
 def render(record: dict) -> str:
     m = record["machine"]
     lines = [f"# GPU check, {record['date']}", "",
-             f"GPU {m['gpu'] or 'none'} (driver {m['driver'] or '-'}), CUDA {m['cuda']}, "
+             f"GPU {m['gpu'] or 'none'} (driver {m['driver'] or '-'}), "
+             f"CPU {m.get('cpu') or 'not recorded'}, CUDA {m['cuda']}, "
              f"torch {m['torch']}, triton {m['triton']}, Python {m['python']}.",
              f"Command: `{record['command']}`", "",
              "| step | status | seconds | detail |", "|---|---|---|---|"]
-    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} | {s['detail']} |"
-              for s in record["steps"]]
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} | "
+              f"{s['detail'].splitlines()[0] if s['detail'] else ''} |" for s in record["steps"]]
     for s in record["steps"]:
         if s["figures"]:
             lines += ["", f"## {s['name']}", ""]
             lines += [f"- {k}: {v}" if k != "table" else f"\n{v}" for k, v in s["figures"].items()]
+        if s["name"] == "kernels" and s["status"] == "ok":
+            lines += ["", "## kernels", "", "```", s["log_tail"].strip(), "```"]
+        elif s["status"] == "failed":
+            lines += ["", f"## {s['name']}: why it failed", "", "```",
+                      s["detail"].strip()[-1500:], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -242,12 +277,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="where gpu-check.json and gpu-check.md go")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="the whole run's time, seconds (default 8 minutes)")
+    parser.add_argument("--steps", nargs="+", choices=STEP_NAMES, default=list(STEP_NAMES),
+                        help="run only these steps (a rerun of the ones that failed)")
+    parser.add_argument("--bench-args", default="",
+                        help="more flags for the bench step, e.g. \"--chapters 05 06 --clients 64\"")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.gpu.gpu_check", *(argv or sys.argv[1:])]),
               "machine": machine(),
-              "steps": [asdict(s) for s in run_steps(args.out, args.budget_s)]}
+              "steps": [asdict(s) for s in run_steps(args.out, args.budget_s, tuple(args.steps),
+                                                        args.bench_args.split())]}
     (args.out / "gpu-check.json").write_text(json.dumps(record, indent=2))
     (args.out / "gpu-check.md").write_text(render(record))
     print(render(record))

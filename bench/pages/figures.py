@@ -73,6 +73,7 @@ RENDERERS = {
     "bench.peers.vllm_diff": "render_markdown",
     "bench.peers.vllm_steps": "markdown",
     "bench.pages.samples": "markdown",
+    "bench.gpu.gpu_check": "render",
 }
 
 

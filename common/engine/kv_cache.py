@@ -48,7 +48,12 @@ def measure_activation_bytes(hf_model, num_tokens: int, card: Card,
     ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
     hf_model(ids, use_cache=False, logits_to_keep=1)
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    peak = torch.cuda.max_memory_allocated(device) - before
+    # Hand the warm-up's cached blocks back to the card (vLLM does the same
+    # after its profile run): on a capped card (--device-memory-gb) the cap
+    # counts them, and the KV cache's layers would not fit beside them.
+    torch.cuda.empty_cache()
+    return peak
 
 
 class KVCache:

@@ -121,7 +121,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     # byte j holds k = 2j and 2j + 1, both in group (2j) // group_size
     scale = scales.float().repeat_interleave(group_size // 2, dim=1)  # (N, K // 2)
     offset = mins.float().repeat_interleave(group_size // 2, dim=1)
-    w = torch.empty(num_out, 2 * half)
+    w = torch.empty(num_out, 2 * half, device=qweight.device)
     w[:, 0::2] = (qweight & 0xF).float() * scale + offset  # even k: low 4 bits
     w[:, 1::2] = (qweight >> 4).float() * scale + offset  # odd k: high 4 bits
     return w

@@ -122,6 +122,7 @@ class LLMEngine:
             from common.engine.spec_decode import speculative_components
             scheduler_cls, sampling_cls = speculative_components(scheduler_cls,
                                                                  config.speculative_config)
+        shared = loaded is not None  # the caller's model: HF's forward must still run on it
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.load_format, config.seed)
         self.tokenizer = self.loaded.tokenizer
@@ -135,7 +136,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # ch08: ranks 1..N-1, a process each
             self.workers = start_ranks(config, self.block_size, num_blocks)
         build = partial(build_worker, config, 0, self.block_size, num_blocks, loaded=self.loaded,
-                        attention_ops=attention_ops, quant_ops=quant_ops)
+                        model_shared=shared, attention_ops=attention_ops, quant_ops=quant_ops)
         self.worker = self.workers.build_rank0(build) if self.workers else build()  # rank 0
         self.block_manager = block_manager_cls(self.worker.kv_cache.num_blocks, self.block_size,
                                                config.enable_prefix_caching)  # ch04: blocks

@@ -119,12 +119,15 @@ class Worker:
 
 
 def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: int | None,
-                 *, loaded: LoadedModel | None = None, port: int | None = None,
+                 *, loaded: LoadedModel | None = None, model_shared: bool = False,
+                 port: int | None = None,
                  attention_ops=None, quant_ops=None, workers=None) -> Worker:
     """Build rank `rank` (0 in the engine's process, 1..N-1 in the workers').
 
     `loaded`: the model, when the caller has it (rank 0); otherwise this rank
-    loads `config.model`. `num_blocks`: a fixed cache size (tests) instead of
+    loads `config.model`. `model_shared`: the caller runs HF's own forward on
+    `loaded` too (the tests' reference), so its plain weights stay whole
+    beside their packed copies (ch05); else they are freed. `num_blocks`: a fixed cache size (tests) instead of
     sizing from the card. `port` (ch08): the ranks' rendezvous. `attention_ops`,
     `quant_ops`: the components, replaceable (default: picked for the device).
     `workers` (ch08, rank 0): the other ranks (tp_workers.TPWorkers), which
@@ -146,6 +149,8 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     if world_size > 1:
         shard_for_rank(model, rank, world_size)  # ch08: keep this rank's share, in place
     forward = build_forward(model, attention_ops, tp)
+    if not model_shared:
+        forward.release_plain_weights()  # ch05: the packed copies are all it reads
     card = Card(device, config.device_memory_gb, config.gpu_memory_utilization)
     weight_bytes = card.charge_weights(model, forward.packed_bytes)
     log.info("weights: %s (%s%s)", format_bytes(weight_bytes),

@@ -35,10 +35,13 @@ Gemm = Callable[[torch.Tensor], torch.Tensor]  # x (T, in_features) -> (T, out_f
 
 
 def packs_weights(weight: torch.Tensor) -> bool:
-    """Does this weight go faster packed? bfloat16, on a CPU with oneDNN's bfloat16."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Does this weight go faster packed? On a CPU with oneDNN: float32, and
+    bfloat16 where its oneDNN computes bfloat16."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear:
@@ -53,6 +56,22 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features) -> (T, out_features)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class OneDnnLinear:
+    """x @ weight.T + bias through oneDNN, the weight read in its own plain
+    layout: for a float32 weight that must stay plain (an LM head tied to
+    the embedding), where a packed copy would be a second one. On a 2-core
+    AMD EPYC it beats MKL's product (F.linear) 1.6x at 64 rows and 2x at 32
+    (SmolLM2's head; the packed copy is 1.15x faster still)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.detach()  # (out_features, in_features), not copied
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features) -> (T, out_features)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def dense_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -71,6 +90,13 @@ def gemm_for(module: nn.Module) -> Gemm:
     if type(module) is nn.Linear:
         return dense_gemm(module.weight, module.bias)
     return module
+
+
+def release_plain_weight(module: nn.Module) -> None:
+    """Free a linear's own weight once its packed copy is all the forward
+    pass reads (ch05; vLLM frees it too): the module keeps an empty tensor,
+    so its own forward no longer runs."""
+    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def packed_bytes(gemms: list) -> int:

@@ -41,6 +41,12 @@ class FusedLinear:
         """x: (T, in_features) -> one (T, size) output per linear (views)."""
         return self.gemm(x).split(self.sizes, dim=-1)
 
+    def __deepcopy__(self, memo) -> None:
+        """A deep copy of the model drops it (the module's `fused_linear`
+        becomes None): the copy fuses its own weights again, and a packed
+        oneDNN weight cannot be copied."""
+        return None
+
     def holds(self, linears: list[nn.Module]) -> bool:
         """Are these linears' weights still views of this fused weight?"""
         storage = self.weight.untyped_storage().data_ptr()

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from common.layers.cpu_gemm import Gemm, dense_gemm
+from common.layers.cpu_gemm import Gemm, OneDnnLinear, dense_gemm, packs_weights
 
 
 def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -25,10 +25,19 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ hidden.T).T.contiguous()  # (vocab, N) -> (N, vocab)
 
 
-def lm_head_gemm(weight: torch.Tensor) -> Gemm:
+def lm_head_gemm(weight: torch.Tensor, tied: bool = False) -> Gemm:
     """The head as one callable, hidden (N, hidden) -> logits (N, vocab):
-    ch05: in bfloat16 on a CPU, with the weight packed once for oneDNN
-    (cpu_gemm.py; at 64 rows the head took 11.1 ms before, 4.0 ms now:
+    ch05: on a CPU, with the weight packed once for oneDNN (cpu_gemm.py; in
+    bfloat16 at 64 rows the head took 11.1 ms before, 4.0 ms now:
     bench/results/2026-12-02-vm-profile-before.md, -profile.md); else
-    `lm_head`."""
-    return dense_gemm(weight, unpacked=functools.partial(lm_head, weight=weight))
+    `lm_head`.
+
+    A head `tied` to the embedding keeps its plain weight (the embedding
+    reads its rows), so its packed copy is a second one: in bfloat16 it is
+    packed all the same; in float32 (SmolLM2's copy would cost 113 MB, and
+    chapter 03's demo card would have no room left for its one region)
+    oneDNN reads the plain weight (`OneDnnLinear`)."""
+    plain = functools.partial(lm_head, weight=weight)
+    if tied and weight.dtype == torch.float32 and packs_weights(weight):
+        return OneDnnLinear(weight)
+    return dense_gemm(weight, unpacked=plain)

@@ -35,6 +35,9 @@ class GPT2Forward:
         self.scale = self.head_dim ** -0.5
         self.packed_bytes = 0  # GPT-2 keeps its own products (Conv1D): none packed
 
+    def release_plain_weights(self) -> None:
+        """Nothing to free: GPT-2's products are not packed."""
+
     def layer_norm(self, x: torch.Tensor, ln) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, self.eps)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from common.layers.attention import AttentionMetadata, paged_attention
 from common.layers.attention_selector import attention_ops_for
-from common.layers.cpu_gemm import Gemm, gemm_for, packed_bytes
+from common.layers.cpu_gemm import Gemm, PackedLinear, gemm_for, packed_bytes, release_plain_weight
 from common.layers.elementwise import elementwise_ops_for
 from common.layers.fused import FusedLinear, fuse_linears
 from common.layers.logits import lm_head_gemm
@@ -81,13 +81,33 @@ class LlamaForward:
         # ch05: the other products, packed in bfloat16 on a CPU (cpu_gemm.py)
         self.o_proj: list[Gemm] = [gemm_for(layer.self_attn.o_proj) for layer in self.layers]
         self.down_proj: list[Gemm] = [gemm_for(layer.mlp.down_proj) for layer in self.layers]
-        self.lm_head: Gemm = lm_head_gemm(hf_model.lm_head.weight)
+        head, embedding = hf_model.lm_head.weight, hf_model.model.embed_tokens.weight
+        self.lm_head: Gemm = lm_head_gemm(head, tied=head.data_ptr() == embedding.data_ptr())
         # The norm after each layer's MLP: the next layer's input norm, or the final one.
         self.next_norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + \
             [hf_model.model.norm.weight]
         self.elementwise = elementwise_ops_for(hf_model.device)  # ch05: C++ on the CPU
         self.packed_bytes = packed_bytes([*(f.gemm for f in self.qkv + self.gate_up if f),
                                           *self.o_proj, *self.down_proj, self.lm_head])
+
+    def release_plain_weights(self) -> None:
+        """ch05: free the weights that only packed copies are read from now
+        (cpu_gemm.py), so a packed model takes no more memory than a plain
+        one. Only for an engine that loaded the model itself: afterwards
+        HF's own forward cannot run (the tests' reference model is shared,
+        and stays whole)."""
+        for i, layer in enumerate(self.layers):
+            for fused, linears in ((self.qkv[i], (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                  layer.self_attn.v_proj)),
+                                   (self.gate_up[i], (layer.mlp.gate_proj, layer.mlp.up_proj))):
+                if fused is not None and isinstance(fused.gemm, PackedLinear):
+                    fused.weight = fused.weight.new_empty(0)
+                    for linear_module in linears:
+                        release_plain_weight(linear_module)
+            for gemm, module in ((self.o_proj[i], layer.self_attn.o_proj),
+                                 (self.down_proj[i], layer.mlp.down_proj)):
+                if isinstance(gemm, PackedLinear):
+                    release_plain_weight(module)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin of each token's angles, (T, D) each, once per step."""

@@ -96,3 +96,25 @@ def test_engine_tokens_do_not_change_and_the_card_pays_for_the_copies(monkeypatc
     plain = run_all(plain_engine, prompts, greedy(16))
     assert {r: o.token_ids for r, o in packed.items()} == \
         {r: o.token_ids for r, o in plain.items()}
+
+
+@needs_onednn
+def test_an_untied_head_is_packed_and_its_plain_weight_freed_a_tied_one_kept():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.models import build_forward
+    from common.loader import DUMMY_CONFIGS
+
+    for tied in (False, True):
+        config: LlamaConfig = DUMMY_CONFIGS["tiny-llama"]()
+        config.tie_word_embeddings = tied
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM(config).eval()
+        head = hf.lm_head.weight.detach().clone()  # (vocab, hidden)
+        forward = build_forward(hf)
+        forward.release_plain_weights()
+        hidden = torch.randn(3, config.hidden_size)
+        torch.testing.assert_close(forward.lm_head(hidden), F.linear(hidden, head),
+                                   rtol=1e-5, atol=1e-4)
+        assert hf.model.embed_tokens.weight.numel() == head.numel()  # the embedding stays
+        assert (hf.lm_head.weight.numel() == 0) == (not tied)

@@ -23,7 +23,7 @@ defaults: continuous batching, prefix caching, the demo card unless
 It also runs the whole load offline, as the engine alone (no HTTP), for
 output tokens/s to compare with the served figures of `make bench`; and
 puts each change of issue 22 (ch05: fused products, the greedy pick, the
-weights packed for oneDNN in bfloat16, the norms and the rotary embedding in
+weights packed for oneDNN, the norms and the rotary embedding in
 C++; ch04: decode attention in C++)
 against its previous version, in
 turn on the same running batch (a before/after pair measured in one run,
@@ -212,7 +212,7 @@ def previous_versions(engine: LLMEngine) -> dict[str, Callable[[], contextlib.Ex
     changes = {"fused q/k/v and gate/up products": unfused,
                "greedy pick: max(...).indices in the logits' dtype, not argmax in float32":
                    float32_argmax}
-    if model.packed_bytes:  # bfloat16 on a CPU with oneDNN's bfloat16
+    if model.packed_bytes:  # on a CPU with oneDNN (bfloat16: where it computes it)
         changes["weights packed for oneDNN"] = unpacked
     if model.attention_ops is CpuOps:  # ch04: the reference's gather and masked SDPA
         changes["decode attention in C++, in place (ch04)"] = lambda: patch.object(

@@ -1,26 +1,34 @@
-"""bfloat16 matrix products on the CPU with each weight packed once (ch05).
+"""Matrix products on the CPU with each weight packed once for oneDNN (ch05).
 
 In bfloat16 on a CPU, `F.linear` calls oneDNN with the weight in its plain
 row-major layout, and oneDNN rearranges it for its kernels (AMX tiles,
 AVX-512 blocks) on every call. Rearranged once, when the engine starts,
 a decode step of 64 sequences goes 1.22x faster
-(bench/results/2026-12-02-vm-profile.md). vLLM's CPU backend does the same
-(`dispatch_cpu_unquantized_gemm`, its `onednn_mm` op), and so does
-torch.compile's weight freezing on the CPU: here through the same two
-PyTorch ops, `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise`.
+(bench/results/2026-12-02-vm-profile.md). In float32 `F.linear` calls MKL,
+whose small-batch products are slow on AMD CPUs: packed for oneDNN, a
+float32 step goes 1.83x faster at 32 sequences and 1.36x at 64 on an AMD
+EPYC (bench/results/2026-12-04-vm-profile-epyc.md). vLLM's CPU backend
+does the same (`dispatch_cpu_unquantized_gemm`, its `onednn_mm` op), and
+so does torch.compile's weight freezing on the CPU: here through the same
+two PyTorch ops, `mkldnn._reorder_linear_weight` and
+`mkldnn._linear_pointwise`.
 
-The numbers are F.linear's, bit for bit (tests/test_cpu_gemm.py): the same
-oneDNN kernels, minus the rearranging.
+The numbers: F.linear's bit for bit in bfloat16 (the same oneDNN kernels,
+minus the rearranging); in float32 oneDNN's sums round differently from
+MKL's, by rounding only (tests/test_cpu_gemm.py; the greedy tokens stay
+HF's and vLLM's in the differential tests).
 
 `gemm_for(module)` returns what the forward pass calls for one linear:
-a `PackedLinear` (bfloat16 on a CPU whose oneDNN supports it), `F.linear`
-on the module's weight (float32, CUDA), or the module itself (ch06: a
-quantized linear multiplies by its own quantized weight).
+a `PackedLinear` (on a CPU with oneDNN: float32, and bfloat16 where it
+computes it), `F.linear` on the module's weight (CUDA), or the module
+itself (ch08: a quantized linear multiplies by its own quantized weight).
+`OneDnnLinear` reads a weight that must stay plain (a tied LM head) in
+place. Once packed, an engine that loaded its own model frees the plain
+weights (`release_plain_weight`, as vLLM does); one handed a model by its
+caller (the tests' HF reference) leaves it whole, and the card is charged
+for both copies (`packed_bytes`).
 
-Left out: float32 (packing it measured no faster), float16, quantized
-weights, and freeing the plain weight once packed (vLLM does; here HF's
-modules stay whole, the tests' reference, and the card is charged for the
-packed copy: `packed_bytes`).
+Left out: float16, quantized weights, a packed copy per batch-size bucket.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ class FusedLinear:
     gemm: Gemm = field(init=False)  # the product: F.linear, or packed (cpu_gemm.py)
 
     def __post_init__(self):
-        self.gemm = dense_gemm(self.weight, self.bias)  # ch05: packed in bf16 on a CPU
+        self.gemm = dense_gemm(self.weight, self.bias)  # ch05: packed on a CPU
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (T, in_features) -> one (T, size) output per linear (views)."""

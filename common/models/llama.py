@@ -18,9 +18,10 @@ LM head with a gather on rank 0. With one rank nothing of that runs.
 
 ch05: q/k/v and gate/up are each one matrix product (common/layers/fused.py,
 as vLLM's QKVParallelLinear and MergedColumnParallelLinear), except for
-quantized layers (ch08), which keep one product per projection. In
-bfloat16 on a CPU every product multiplies by a weight packed once for
-oneDNN (common/layers/cpu_gemm.py).
+quantized layers (ch08), which keep one product per projection. On a CPU
+every product multiplies by a weight packed once for oneDNN
+(common/layers/cpu_gemm.py); a served engine then frees the plain ones
+(`release_plain_weights`).
 
 Left out: Mistral's sliding window (attention sees the whole context).
 """
@@ -78,11 +79,12 @@ class LlamaForward:
             for layer in self.layers]
         self.gate_up: list[FusedLinear | None] = [
             fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
-        # ch05: the other products, packed in bfloat16 on a CPU (cpu_gemm.py)
+        # ch05: the other products, packed on a CPU (cpu_gemm.py)
         self.o_proj: list[Gemm] = [gemm_for(layer.self_attn.o_proj) for layer in self.layers]
         self.down_proj: list[Gemm] = [gemm_for(layer.mlp.down_proj) for layer in self.layers]
         head, embedding = hf_model.lm_head.weight, hf_model.model.embed_tokens.weight
-        self.lm_head: Gemm = lm_head_gemm(head, tied=head.data_ptr() == embedding.data_ptr())
+        self.head_tied = head.data_ptr() == embedding.data_ptr()  # SmolLM2: one tensor
+        self.lm_head: Gemm = lm_head_gemm(head, tied=self.head_tied)
         # The norm after each layer's MLP: the next layer's input norm, or the final one.
         self.next_norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + \
             [hf_model.model.norm.weight]
@@ -108,6 +110,8 @@ class LlamaForward:
                                  (self.down_proj[i], layer.mlp.down_proj)):
                 if isinstance(gemm, PackedLinear):
                     release_plain_weight(module)
+        if isinstance(self.lm_head, PackedLinear) and not self.head_tied:
+            release_plain_weight(self.hf.lm_head)  # a tied head is the embedding: kept
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin of each token's angles, (T, D) each, once per step."""

@@ -278,6 +278,15 @@ def load_model(name: str = "smollm2", dtype: str = "auto", device: str = "auto",
                        device=dev, dtype=torch_dtype)
 
 
+def load_tokenizer(name: str = "smollm2") -> PreTrainedTokenizerBase:
+    """A model's tokenizer alone (ch09's router: no weights)."""
+    if name in EMBEDDED_NAMES or name in DUMMY_CONFIGS:
+        return AutoTokenizer.from_pretrained(convert_embedded_model())
+    if name.endswith(".gguf"):
+        return _load_pretrained(name, torch.float32)[1]
+    return AutoTokenizer.from_pretrained(name)
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase,
                         messages: list[dict]) -> list[int]:
     """Chat messages -> prompt token ids, with the model's own template.

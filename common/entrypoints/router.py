@@ -1,0 +1,298 @@
+"""The router (ch09, in progress): one OpenAI-compatible front for N replicas.
+
+    python -m common.entrypoints.router --port 8100 --policy prefix-aware \\
+        --replica http://127.0.0.1:8101 --replica http://127.0.0.1:8102
+
+Each replica is a chapter server on its own port (06 onwards: streaming).
+For each `/v1/chat/completions` or `/v1/completions` request the router:
+
+1. tokenizes the prompt with the model's tokenizer and chat template (the
+   prefix-aware policy names its first blocks; the replica tokenizes again);
+2. asks the policy (routing.py) for a replica among those up and not yet
+   tried for this request;
+3. sends the request there. A replica that fails before anything reached
+   the client (connection refused or dropped, a 5xx, no answer or no first
+   chunk within `--replica-timeout-s`: a crashed or stopped process) is
+   marked down and the request goes to another one: nothing was sent to
+   the client yet, so nothing is lost or repeated. A 4xx is the client's
+   error: passed back as it is, never retried;
+4. passes the answer back; a stream as it comes. A replica lost in the
+   middle of a stream ends it with an error event and `[DONE]`: the tokens
+   already sent cannot be taken back, so it is not retried.
+
+A poller reads each replica's `/stats` every `--poll-interval-s`: its load
+for the least-loaded policy, and whether it answers (down, then up again
+when it does: a restarted replica gets traffic again). `/health` says which
+replica is up (200 while one is, 503 when none), `/router/stats` counts the
+requests each replica served and the retries.
+
+Left out: several routers (they would agree: the ring is deterministic),
+authentication (each replica checks its own `--api-key`), routing by the
+replicas' KV events, request cancellation passed on when a client leaves
+a non-streamed request, `/v1/models` from more than the first replica up.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.entrypoints.middleware import APIError, new_app
+from common.entrypoints.routing import (
+    LeastLoadedPolicy,
+    NoReplicaError,
+    PrefixAwarePolicy,
+    Replica,
+    ReplicaLoad,
+    RoundRobinPolicy,
+    RoutingPolicy,
+)
+
+log = logging.getLogger("router")
+
+POLICIES: dict[str, Callable[[int], RoutingPolicy]] = {
+    "round-robin": lambda block_size: RoundRobinPolicy(),
+    "least-loaded": lambda block_size: LeastLoadedPolicy(),
+    "prefix-aware": lambda block_size: PrefixAwarePolicy(block_size=block_size),
+}
+
+PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's token ids
+
+
+class ReplicaFailed(Exception):
+    """The replica failed before anything reached the client: try another."""
+
+
+@dataclass
+class RouterStats:
+    served: dict[str, int] = field(default_factory=dict)  # replica -> requests answered
+    retries: int = 0  # requests sent again after a replica failed them
+    lost_mid_stream: int = 0  # streams ended by an error event
+
+
+@dataclass
+class Router:
+    """The replicas, the policy, and one HTTP client to reach them."""
+    replicas: list[Replica]
+    policy: RoutingPolicy
+    prompt_ids: PromptIds
+    replica_timeout_s: float = 30.0
+    poll_interval_s: float = 0.5
+    stats: RouterStats = field(default_factory=RouterStats)
+    client: httpx.AsyncClient | None = None
+
+    # -- the poller -----------------------------------------------------------
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(r) for r in self.replicas))
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self, replica: Replica) -> None:
+        try:
+            answer = await self.client.get(f"{replica.url}/stats", timeout=2.0)
+            answer.raise_for_status()
+            stats = answer.json()
+        except (httpx.HTTPError, ValueError):
+            self.mark_down(replica, "does not answer /stats")
+            return
+        if stats.get("engine_alive") is False:
+            self.mark_down(replica, "its engine is dead")
+            return
+        if not replica.healthy:
+            log.info("replica %s is up again", replica.name)
+        replica.healthy = True
+        replica.load = ReplicaLoad(num_waiting=int(stats.get("waiting", 0)),
+                                   num_running=int(stats.get("running", 0)),
+                                   kv_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)))
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            log.warning("replica %s is down: %s", replica.name, why)
+        replica.healthy = False
+
+    # -- one request ----------------------------------------------------------
+    def pick(self, prompt_ids: list[int], tried: set[str]) -> Replica:
+        candidates = [r for r in self.replicas if r.name not in tried]
+        try:
+            return self.policy.choose(prompt_ids, candidates)
+        except NoReplicaError:
+            raise APIError(503, f"no replica can take the request: {len(tried)} tried, "
+                                f"{sum(r.healthy for r in self.replicas)} of "
+                                f"{len(self.replicas)} up", type="service_unavailable") from None
+
+    async def route(self, path: str, body: dict) -> Response:
+        try:
+            prompt_ids = self.prompt_ids(path, body)
+        except Exception:  # noqa: BLE001 - a bad prompt: the replica answers the 400
+            prompt_ids = []
+        tried: set[str] = set()
+        while True:
+            replica = self.pick(prompt_ids, tried)
+            tried.add(replica.name)
+            try:
+                response = await (self.send_stream(replica, path, body) if body.get("stream")
+                                  else self.send(replica, path, body))
+            except ReplicaFailed as failure:
+                self.mark_down(replica, str(failure))
+                self.stats.retries += 1
+                continue
+            self.stats.served[replica.name] = self.stats.served.get(replica.name, 0) + 1
+            return response
+
+    async def send(self, replica: Replica, path: str, body: dict) -> Response:
+        try:
+            answer = await self.client.post(f"{replica.url}{path}", json=body,
+                                            timeout=self.replica_timeout_s)
+        except httpx.HTTPError as exc:
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+        if answer.status_code >= 500:
+            raise ReplicaFailed(f"answered {answer.status_code}")
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type"))
+
+    async def send_stream(self, replica: Replica, path: str, body: dict) -> Response:
+        """Wait for the first chunk before answering the client: until then
+        the request can still go elsewhere."""
+        request = self.client.build_request("POST", f"{replica.url}{path}", json=body,
+                                            timeout=self.replica_timeout_s)
+        try:
+            answer = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+        if answer.status_code != 200:
+            content = await answer.aread()
+            await answer.aclose()
+            if answer.status_code >= 500:
+                raise ReplicaFailed(f"answered {answer.status_code}")
+            return Response(content, status_code=answer.status_code,
+                            media_type=answer.headers.get("content-type"))
+        chunks = answer.aiter_raw()
+        try:
+            first = await anext(chunks)
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await answer.aclose()
+            raise ReplicaFailed(f"no first chunk: {type(exc).__name__}") from None
+        return StreamingResponse(self.relay(replica, answer, first, chunks),
+                                 media_type="text/event-stream")
+
+    async def relay(self, replica: Replica, answer: httpx.Response, first: bytes,
+                    chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as exc:
+            self.mark_down(replica, f"lost mid-stream: {type(exc).__name__}")
+            self.stats.lost_mid_stream += 1
+            error = APIError(502, f"replica {replica.name} was lost in the middle of the "
+                                  "stream; the tokens above are all it sent",
+                             type="bad_gateway").body()
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await answer.aclose()
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        poller = asyncio.create_task(router.poll_forever())
+        yield
+        poller.cancel()
+        await router.client.aclose()
+
+    app = new_app("ch09 router")
+    app.router.lifespan_context = lifespan
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.route("/v1/chat/completions", await json_body(request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.route("/v1/completions", await json_body(request))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for replica in (r for r in router.replicas if r.healthy):
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await router.client.get(f"{replica.url}/v1/models", timeout=5.0)
+                return Response(answer.content, status_code=answer.status_code,
+                                media_type=answer.headers.get("content-type"))
+        raise APIError(503, "no replica is up", type="service_unavailable")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        up = [r.name for r in router.replicas if r.healthy]
+        return JSONResponse({"replicas": {r.name: {"url": r.url, "up": r.healthy}
+                                          for r in router.replicas}},
+                            status_code=200 if up else 503)
+
+    @app.get("/router/stats")
+    async def stats() -> dict:
+        return {"served": router.stats.served, "retries": router.stats.retries,
+                "lost_mid_stream": router.stats.lost_mid_stream,
+                "load": {r.name: vars(r.load) for r in router.replicas}}
+
+    return app
+
+
+async def json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+def tokenizer_prompt_ids(model: str) -> PromptIds:
+    """The prompt's token ids as the replicas will see them: the model's own
+    tokenizer and chat template (only the tokenizer is loaded)."""
+    from common.loader import apply_chat_template, load_tokenizer
+    tokenizer = load_tokenizer(model)
+
+    def prompt_ids(path: str, body: dict) -> list[int]:
+        if path == "/v1/chat/completions":
+            return apply_chat_template(tokenizer, body["messages"])
+        prompt = body["prompt"]
+        return tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    return prompt_ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a replica's base URL (repeat for each)")
+    parser.add_argument("--policy", choices=list(POLICIES), default="prefix-aware")
+    parser.add_argument("--model", default="smollm2", help="whose tokenizer (prefix-aware)")
+    parser.add_argument("--block-size", type=int, default=16, help="the replicas' block size")
+    parser.add_argument("--replica-timeout-s", type=float, default=30.0,
+                        help="no answer (or first chunk) within this: try another replica")
+    parser.add_argument("--poll-interval-s", type=float, default=0.5)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    replicas = [Replica(f"replica-{i}", url.rstrip("/")) for i, url in enumerate(args.replica)]
+    router = Router(replicas, POLICIES[args.policy](args.block_size),
+                    tokenizer_prompt_ids(args.model), args.replica_timeout_s,
+                    args.poll_interval_s)
+    log.info("routing %s over %d replicas on http://%s:%d/v1", args.policy, len(replicas),
+             args.host, args.port)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

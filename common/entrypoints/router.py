@@ -58,10 +58,11 @@ from common.entrypoints.routing import (
 
 log = logging.getLogger("router")
 
-POLICIES: dict[str, Callable[[int], RoutingPolicy]] = {
-    "round-robin": lambda block_size: RoundRobinPolicy(),
-    "least-loaded": lambda block_size: LeastLoadedPolicy(),
-    "prefix-aware": lambda block_size: PrefixAwarePolicy(block_size=block_size),
+# --policy -> the policy, given the replicas' block size and --prefix-blocks
+POLICIES: dict[str, Callable[[int, int], RoutingPolicy]] = {
+    "round-robin": lambda block_size, prefix_blocks: RoundRobinPolicy(),
+    "least-loaded": lambda block_size, prefix_blocks: LeastLoadedPolicy(),
+    "prefix-aware": lambda block_size, prefix_blocks: PrefixAwarePolicy(block_size, prefix_blocks),
 }
 
 PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's token ids
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy", choices=list(POLICIES), default="prefix-aware")
     parser.add_argument("--model", default="smollm2", help="whose tokenizer (prefix-aware)")
     parser.add_argument("--block-size", type=int, default=16, help="the replicas' block size")
+    parser.add_argument("--prefix-blocks", type=int, default=4,
+                        help="prefix-aware: how many first blocks name a prefix (a shared "
+                             "system prompt's length; longer: conversations spread more)")
     parser.add_argument("--replica-timeout-s", type=float, default=30.0,
                         help="no answer (or first chunk) within this: try another replica")
     parser.add_argument("--poll-interval-s", type=float, default=0.5)
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     replicas = [Replica(f"replica-{i}", url.rstrip("/")) for i, url in enumerate(args.replica)]
-    router = Router(replicas, POLICIES[args.policy](args.block_size),
+    router = Router(replicas, POLICIES[args.policy](args.block_size, args.prefix_blocks),
                     tokenizer_prompt_ids(args.model), args.replica_timeout_s,
                     args.poll_interval_s)
     log.info("routing %s over %d replicas on http://%s:%d/v1", args.policy, len(replicas),

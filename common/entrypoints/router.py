@@ -26,10 +26,8 @@ when it does: a restarted replica gets traffic again). `/health` says which
 replica is up (200 while one is, 503 when none), `/router/stats` counts the
 requests each replica served and the retries.
 
-Left out: several routers (they would agree: the ring is deterministic),
-authentication (each replica checks its own `--api-key`), routing by the
-replicas' KV events, request cancellation passed on when a client leaves
-a non-streamed request, `/v1/models` from more than the first replica up.
+Left out: authentication (each replica checks its own `--api-key`),
+routing by the replicas' KV events, passing a client's cancellation on.
 """
 from __future__ import annotations
 
@@ -70,7 +68,6 @@ PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's tok
 
 class ReplicaFailed(Exception):
     """The replica failed before anything reached the client: try another."""
-
 
 @dataclass
 class RouterStats:
@@ -250,7 +247,7 @@ async def json_body(request: Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise APIError(400, "the body is not JSON") from None
+        body = None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
     return body

@@ -86,7 +86,7 @@ from bench.loadtest import (
     send_one,
 )
 from bench.peers.hf_peers import PEERS, run_peer
-from common.loader import EMBEDDED_NAMES, cpu_bf16_flags, load_model
+from common.loader import EMBEDDED_NAMES, cpu_bf16_flags, cpu_model, load_model
 from common.memory import MiB
 
 BENCH_DIR = ROOT / "bench"
@@ -559,14 +559,7 @@ def write_results(out_dir: Path, kind: str, rec: dict, markdown_text: str) -> Pa
 def machine(with_vllm: bool = False) -> dict:
     """The machine, its bf16 support, the library versions; with_vllm: also the
     real vLLM's version (a subprocess that imports it: only for runs that use it)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "cpu_bf16": cpu_bf16_flags(),

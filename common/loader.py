@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def cpu_bf16_flags() -> list[str]:
     except OSError:  # not Linux: say none, float32 is always right
         return []
     return sorted(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def cpu_model() -> str:
+    """This CPU's name, as /proc/cpuinfo gives it (else what platform knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_computes_bfloat16() -> bool:

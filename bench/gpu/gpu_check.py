@@ -60,18 +60,8 @@ class Step:
     log_tail: str = ""
 
 
-def cpu_model() -> str | None:
-    """The host CPU's name, as /proc/cpuinfo gives it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def machine() -> dict:
+    from common.loader import cpu_model
     info = {"cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "gpu": None, "driver": None, "triton": None}
     try:

@@ -128,8 +128,9 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     loads `config.model`. `model_shared`: the caller runs HF's own forward on
     `loaded` too (the tests' reference), so its plain weights stay whole
     beside their packed copies (ch05); else they are freed. `num_blocks`: a
-    fixed cache size (tests) instead of sizing from the card. `port` (ch08): the ranks' rendezvous. `attention_ops`,
-    `quant_ops`: the components, replaceable (default: picked for the device).
+    fixed cache size (tests) instead of sizing from the card. `port` (ch08):
+    the ranks' rendezvous. `attention_ops`, `quant_ops`: the components,
+    replaceable (default: picked for the device).
     `workers` (ch08, rank 0): the other ranks (tp_workers.TPWorkers), which
     the ModelRunner sends every step to."""
     world_size = config.tensor_parallel_size

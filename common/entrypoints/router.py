@@ -13,9 +13,8 @@ For each `/v1/chat/completions` or `/v1/completions` request the router:
 3. sends the request there. A replica that fails before anything reached
    the client (connection refused or dropped, a 5xx, no answer or no first
    chunk within `--replica-timeout-s`: a crashed or stopped process) is
-   marked down and the request goes to another one: nothing was sent to
-   the client yet, so nothing is lost or repeated. A 4xx is the client's
-   error: passed back as it is, never retried;
+   marked down and the request goes to another one (nothing reached the
+   client: nothing lost or repeated). A 4xx is passed back, never retried;
 4. passes the answer back; a stream as it comes. A replica lost in the
    middle of a stream ends it with an error event and `[DONE]`: the tokens
    already sent cannot be taken back, so it is not retried.
@@ -68,6 +67,14 @@ PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's tok
 
 class ReplicaFailed(Exception):
     """The replica failed before anything reached the client: try another."""
+
+
+def passed_back(status: int, content: bytes, headers: httpx.Headers) -> Response:
+    """A replica's answer for the client; a 5xx: try elsewhere (step 3 above)."""
+    if status >= 500:
+        raise ReplicaFailed(f"answered {status}")
+    return Response(content, status_code=status, media_type=headers.get("content-type"))
+
 
 @dataclass
 class RouterStats:
@@ -151,10 +158,7 @@ class Router:
                                             timeout=self.replica_timeout_s)
         except httpx.HTTPError as exc:
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
-        if answer.status_code >= 500:
-            raise ReplicaFailed(f"answered {answer.status_code}")
-        return Response(answer.content, status_code=answer.status_code,
-                        media_type=answer.headers.get("content-type"))
+        return passed_back(answer.status_code, answer.content, answer.headers)
 
     async def send_stream(self, replica: Replica, path: str, body: dict) -> Response:
         """Wait for the first chunk before answering the client: until then
@@ -168,10 +172,7 @@ class Router:
         if answer.status_code != 200:
             content = await answer.aread()
             await answer.aclose()
-            if answer.status_code >= 500:
-                raise ReplicaFailed(f"answered {answer.status_code}")
-            return Response(content, status_code=answer.status_code,
-                            media_type=answer.headers.get("content-type"))
+            return passed_back(answer.status_code, content, answer.headers)
         chunks = answer.aiter_raw()
         try:
             first = await anext(chunks)

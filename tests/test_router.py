@@ -99,7 +99,7 @@ def cluster():
     """start(n, policy) -> (router URL, replicas' modes, Router); all stopped after."""
     served: list[Served] = []
 
-    def start(n: int, policy=None, dead: int = 0):
+    def start(n: int, policy=None, dead: int = 0, replica_timeout_s: float = 60.0):
         modes = [{} for _ in range(n)]
         urls = []
         for i, mode in enumerate(modes):
@@ -108,7 +108,7 @@ def cluster():
             urls.append(replica.url)
         urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]  # nothing listens
         router = Router([Replica(f"r{i}", url) for i, url in enumerate(urls)],
-                        policy or RoundRobinPolicy(), char_ids, replica_timeout_s=1.0,
+                        policy or RoundRobinPolicy(), char_ids, replica_timeout_s,
                         poll_interval_s=0.05)
         front = Served(build_router_app(router))
         served.append(front)
@@ -172,8 +172,9 @@ def test_a_failing_replica_is_retried_elsewhere_and_a_400_is_not(cluster):
 
 def test_a_hanging_replica_does_not_stall_the_router(cluster):
     """SIGSTOP's stand-in: it accepts and never answers; its requests time out
-    (1 s here) to the other replica, streamed or not."""
-    url, modes, router = cluster(2)
+    (2 s here; the other tests give a slow machine 60 s) to the other replica,
+    streamed or not."""
+    url, modes, router = cluster(2, replica_timeout_s=2.0)
     modes[0]["answer"] = "hang"
     assert all(served_by(ask(url)) == "r1" for _ in range(3))
     stream = ask(url, stream=True)

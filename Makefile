@@ -14,6 +14,7 @@ export PYTHONPATH := $(CURDIR)
 DEMO_CARD   ?= 1.1
 DTYPE       ?= float32
 CH          ?= 05
+DP          ?=
 CLIENTS     ?= 2
 REQUESTS    ?= 1
 MAX_TOKENS  ?= 64
@@ -50,7 +51,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: figures samples pictures traces bench-spec bench-structured bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness
+.PHONY: figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -69,14 +70,14 @@ $(STAMP): requirements.txt
 test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
 
-exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08): grade your exercise of a chapter; REFERENCE=1 grades the reference
+exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09): grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
 
 exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests and every named bug (tests/named_bugs.py) is caught
 	$(PY) -m tests.check_exercises
 
 MUTMUT_VERSION := 3.8.1
-mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08) SUITE=both|grading|engine RESUME=1: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
+mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09) SUITE=both|grading|engine RESUME=1: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install --quiet mutmut==$(MUTMUT_VERSION)
 	$(PY) -m tests.mutation $(CH) --suite $(or $(SUITE),both) $(if $(RESUME),--resume)
 
@@ -100,12 +101,42 @@ loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=fl
 	  --max-tokens $(MAX_TOKENS) --device-memory-gb $(CARD) --dtype $(DTYPE) $(if $(STREAM),--stream,)
 
 # serve passes CARD only when given: without it, the server's own default card.
-serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; without CARD the server's default: 2 GiB on the CPU, the whole GPU on CUDA): run one chapter's server
+serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; without CARD the server's default: 2 GiB on the CPU, the whole GPU on CUDA) DP=2 (ch09: engine processes): run one chapter's server
 	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
-	  $(call given,CARD,--device-memory-gb)
+	  $(call given,CARD,--device-memory-gb) $(if $(DP),--data-parallel-size $(DP))
+
+# Chapter 09 on a Ray cluster: the replicas as Ray actors, the router in front
+# (common/entrypoints/ray_replicas.py). Ray advertises this machine's own
+# address (it replaces 127.0.0.1 by it); RAY_HEAD_IP=<LAN address> picks one on
+# a machine with several. A second machine joins with the command ray-up prints,
+# `ray start --address=<head-ip>:6379`, and the head's token (09-scale-out/README.md).
+RAY         := $(VENV)/bin/ray
+RAY_HEAD_IP ?=
+RAY_CPUS    ?= 2
+REPLICAS    ?= 2
+POLICY      ?= prefix-aware
+
+# The head listens on every interface: ray-up makes the cluster's token once
+# (~/.ray/auth_token) and turns Ray's token authentication on.
+ray-up: $(STAMP) ## RAY_CPUS=2 RAY_HEAD_IP=<LAN address>: start a Ray cluster's head on this machine (ray start --head, port 6379)
+	$(RAY) get-auth-token --generate > /dev/null
+	RAY_AUTH_MODE=token $(RAY) start --head --port 6379 --num-cpus $(RAY_CPUS) \
+	  --include-dashboard false --disable-usage-stats $(if $(RAY_HEAD_IP),--node-ip-address $(RAY_HEAD_IP))
+
+ray-down: ## stop the Ray cluster on this machine (ray stop)
+	$(RAY) stop
+
+ray-serve: CH = 09
+ray-serve: PORT = 8100
+ray-serve: $(STAMP) ## REPLICAS=2 POLICY=prefix-aware PORT=8100 CH=09 DTYPE=float32 CARD=1.1: the replicas as Ray actors (make ray-up first), the router on PORT
+	$(PY) -m common.entrypoints.ray_replicas --address auto --replicas $(REPLICAS) --chapter $(CH) \
+	  --policy $(POLICY) --router-port $(PORT) --dtype $(DTYPE) $(call given,CARD,--device-memory-gb)
 
 bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)
 	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
+
+bench-scale: $(STAMP) ## chapter 09: engine in-process vs own process (32, 64 clients); 1 engine vs 2, the router's policies, the real vLLM on a shared-prefix multi-turn workload (~12 min)
+	$(PY) -m bench.scale
 
 bench-live-view: $(STAMP) ## the live view's cost: step time with the events off and on, served tok/s at 32 clients with one viewer and without (~5 min)
 	$(PY) -m bench.profiles.live_view_cost

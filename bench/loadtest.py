@@ -42,6 +42,7 @@ CHAPTERS = {
     "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
     "04": "04-paged-attention", "05": "05-continuous-batching", "06": "06-openai-server",
     "07": "07-structured-and-speculative", "08": "08-levers-and-the-real-vllm",
+    "09": "09-scale-out",
 }
 SYSTEM_PROMPT = "You are a concise assistant. Answer in two or three sentences."
 PROMPTS = [

@@ -299,16 +299,21 @@ def load_tokenizer(name: str = "smollm2") -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(name)
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase,
-                        messages: list[dict]) -> list[int]:
-    """Chat messages -> prompt token ids, with the model's own template.
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                        add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
+    """Chat messages -> prompt token ids, with the model's own template:
+    the assistant's turn opened (`add_generation_prompt`), or the last
+    message left open for the model to go on (`continue_final_message`).
 
     Models without a template (GPT-2) get a plain "role: content" transcript.
     """
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        text += "assistant:"
+        text = text.removesuffix("\n") if continue_final_message else text
+        text += "assistant:" if add_generation_prompt else ""
     return tokenizer(text, add_special_tokens=False)["input_ids"]

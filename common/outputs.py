@@ -12,7 +12,7 @@ vLLM's strings ("stop", "length", "abort", "error"), so that it goes on the
 wire and into Prometheus labels as it is.
 
 Left out: vLLM's `n > 1` inside one RequestOutput, `cumulative_logprob`,
-`stop_reason` (which stop string or token matched), prompt logprobs,
+`stop_reason` (which stop string or token matched),
 per-request metrics on the output (the engine records them itself:
 common/engine/stats.py).
 """
@@ -56,3 +56,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (ch04)
+    # ch06: each prompt token's logprobs (the first None), in the request's
+    # first output; only if its SamplingParams asked (prompt_logprobs)
+    prompt_logprobs: list[SampledToken | None] | None = None

@@ -84,6 +84,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return (0: chosen only)
+    # each prompt token's logprob and this many top ones (vLLM's; -1: the vocabulary)
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     structured_outputs: StructuredOutputsParams | None = None  # ch07: what the answer must match
 
@@ -96,6 +98,8 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError("prompt_logprobs must be -1 (the vocabulary) or >= 0")
 
     @property
     def greedy(self) -> bool:

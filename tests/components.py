@@ -6,8 +6,8 @@ This is the one switch of the exercises: `pytest --exercise 04` (what
 place of the reference modules of `common/`. The engine takes these
 components as arguments (`LLMEngine(block_manager_cls=..., scheduler_cls=...,
 attention_ops=..., quant_ops=...)`, `Metrics(collector_cls=...,
-latency_logger_cls=...)`), so nothing is patched: the tests build the engine
-with what they are given.
+latency_logger_cls=...)`, chapter 09's `Router(replicas, policy, ...)`), so
+nothing is patched: the tests build the engine with what they are given.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 
 from common import autoregressive, memory
 from common.engine import block_manager, scheduler
-from common.entrypoints import metrics
+from common.entrypoints import metrics, routing
 from common.layers import attention, quantization, rejection_sampler, token_bitmask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,10 @@ EXERCISES = {
     # chapter 08: int8 weight-only quantization of one linear layer
     "08": Exercise("08", "08-levers-and-the-real-vllm", "quantization.py",
                    ("quantize_int8", "int8_linear"), "common/layers/quantization.py"),
+    # chapter 09: the router's prefix-aware policy, by consistent hashing
+    "09": Exercise("09", "09-scale-out", "routing.py",
+                   ("prefix_block_hashes", "HashRing", "PrefixAwarePolicy"),
+                   "common/entrypoints/routing.py"),
 }
 
 
@@ -89,6 +93,11 @@ class Components:
     quantize_int8: object = quantization.quantize_int8
     int8_linear: object = quantization.int8_linear
     quant_ops: object = quantization.ReferenceQuantOps
+    # ch09: the router's prefix-aware policy (the router and the other
+    # policies stay the course's)
+    prefix_block_hashes: object = routing.prefix_block_hashes
+    HashRing: type = routing.HashRing
+    PrefixAwarePolicy: type = routing.PrefixAwarePolicy
     exercise: str | None = field(default=None)
 
 

@@ -122,6 +122,11 @@ TARGETS: dict[str, Target] = {
     "08": Target("common/layers/quantization.py",
                  (function("quantize_int8"), function("int8_linear")),
                  ("test_quantization.py", "test_ch08_quantization.py")),
+    # the prefix-aware policy only: the other policies and ring_point are given
+    "09": Target("common/entrypoints/routing.py",
+                 (function("prefix_block_hashes"), method("HashRing"),
+                  method("PrefixAwarePolicy")),
+                 ("test_routing.py", "test_router.py")),
 }
 
 ON_THE_CPU = ("device=None is the default device, the CPU, where the tests run here; on a "
@@ -257,6 +262,34 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("08", "q = torch.round(w / scales[:, None]).clamp(-127, 128).to(torch.int8)"):
         "a dead clamp in float32: w / scale never rounds above 127 (see the "
         "clamp(None, 127) mutant)",
+    # ------------------------------------------- 09, the prefix-aware policy
+    **{("09", line): "int.to_bytes and int.from_bytes take byteorder=\"big\" by default "
+       "since Python 3.11, the course's Python: the same bytes, the same names"
+       for line in ('digest.update((hashes[-1] if hashes else 0).to_bytes(8, ))',
+                    'digest.update(int(token).to_bytes(4, ))',
+                    'hashes.append(int.from_bytes(digest.digest(), ))')},
+    **{("09", line): "the wording of NoReplicaError, which no client reads: the router "
+       "answers its own 503 message (Router.pick), naming how many replicas are up"
+       for line in ('raise NoReplicaError(None)',
+                    'raise NoReplicaError("XXno usable replica on the ringXX")',
+                    'raise NoReplicaError("NO USABLE REPLICA ON THE RING")',
+                    'raise NoReplicaError("XXthe ring is emptyXX")',
+                    'raise NoReplicaError("THE RING IS EMPTY")')},
+    ("09", "def __init__(self, names: Sequence[str] = (), points_per_replica: int = 101):"):
+        "a default the policy never uses (PrefixAwarePolicy passes its own points_per_replica); "
+        "a ring built with it, as one grading test builds one, behaves alike with 100 or 101 "
+        "points per replica: the test checks shares, not points",
+    **{("09", line): "a default no caller reads: the router builds the policy with its "
+       "--block-size and --prefix-blocks, and every test passes its own block size; the "
+       "constructor is given in the exercise's stub"
+       for line in ("def __init__(self, block_size: int = 17, prefix_blocks: int = 4,",
+                    "def __init__(self, block_size: int = 16, prefix_blocks: int = 5,")},
+    ("09", "self.ring.remove(None)"):
+        "a replica no longer listed then keeps its points, but is never usable (choose "
+        "passes only the listed healthy names): its keys go to the next point clockwise, "
+        "exactly where removing it sends them; only the ring's memory differs",
+    ("09", "return self.fallback.choose(None, alive)"):
+        "LeastLoadedPolicy reads the replicas' loads, never the prompt",
 }
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
@@ -361,9 +394,10 @@ def changed_line(diff: str) -> str:
 HELP_TEXT = ("a metric's HELP text, written for people reading /metrics: Prometheus keeps "
              "it as a description, and no query, alert or dashboard reads it (vLLM's Grafana "
              "dashboard selects by name and label, as the tests do)")
-# prometheus_client's metric families and the collector's helpers: (name, doc, ...).
-METRIC_BUILDERS = {"_gauge", "_counter", "GaugeMetricFamily", "CounterMetricFamily",
-                   "HistogramMetricFamily"}
+# prometheus_client's metric families and the collector's helpers, and
+# where each takes the doc: (name, doc, ...), or _by_label's (family, name, doc, ...).
+METRIC_BUILDERS = {"_gauge": 1, "_counter": 1, "GaugeMetricFamily": 1,
+                   "CounterMetricFamily": 1, "HistogramMetricFamily": 1, "_by_label": 2}
 
 
 def explain(exercise: str, diff: str) -> str | None:
@@ -400,11 +434,13 @@ def help_texts(source: Path) -> list[str]:
     import ast
     docs = []
     for node in ast.walk(ast.parse(source.read_text())):
-        if not (isinstance(node, ast.Call) and len(node.args) >= 2):
+        if not isinstance(node, ast.Call):
             continue
-        name = getattr(node.func, "attr", getattr(node.func, "id", ""))
-        doc = node.args[1]
-        if name in METRIC_BUILDERS and isinstance(doc, ast.Constant) and isinstance(doc.value, str):
+        position = METRIC_BUILDERS.get(getattr(node.func, "attr", getattr(node.func, "id", "")))
+        if position is None or len(node.args) <= position:
+            continue
+        doc = node.args[position]
+        if isinstance(doc, ast.Constant) and isinstance(doc.value, str):
             docs.append(doc.value)
     return docs
 

@@ -373,17 +373,12 @@ NAMED_BUGS: list[NamedBug] = [
     NamedBug(
         "06", "one counter family per finish reason",
         "a second # TYPE line for vllm:request_success_total: Prometheus rejects the scrape",
-        old="""        success = CounterMetricFamily("vllm:request_success", "Finished requests by "
-                                      "finish reason.", labels=["model_name", "finished_reason"])
-        for reason, count in sorted(s["finished"].items()):
-            success.add_metric([self.model_name, reason], count)
-        yield success""",
+        old="""        yield self._by_label(CounterMetricFamily, "vllm:request_success", "Finished requests "
+                             "by finish reason.", "finished_reason", s["finished"])""",
         new="""        for reason, count in sorted(s["finished"].items()):
-            success = CounterMetricFamily("vllm:request_success", "Finished requests by "
-                                          "finish reason.",
-                                          labels=["model_name", "finished_reason"])
-            success.add_metric([self.model_name, reason], count)
-            yield success""",
+            yield self._by_label(CounterMetricFamily, "vllm:request_success", "Finished "
+                                 "requests by finish reason.", "finished_reason",
+                                 {reason: count})""",
         hint=3,
         caught_by="test_ch06_server.py::test_request_success_is_one_metric_with_a_sample_per_reason"),
     # ------------------------------------------------- 07a, the token mask
@@ -490,6 +485,114 @@ NAMED_BUGS: list[NamedBug] = [
         new="""        tokens.append(int(torch.multinomial(residual, 1)))""",
         hint=5,
         caught_by="test_speculative.py::test_every_draw_comes_from_the_generator_and_ids_are_ints"),
+    # --------------------------------------------- 09, the prefix-aware router
+    NamedBug(
+        "09", "block names from Python's hash(), as the engine's compute_block_hash",
+        "a restarted router, or a second one, names every prefix differently: "
+        "conversations land where their blocks are not cached",
+        old="""        digest = hashlib.blake2b(digest_size=8)
+        digest.update((hashes[-1] if hashes else 0).to_bytes(8, "big"))
+        for token in token_ids[j * block_size:(j + 1) * block_size]:
+            digest.update(int(token).to_bytes(4, "big"))
+        hashes.append(int.from_bytes(digest.digest(), "big"))""",
+        new="""        block = tuple(token_ids[j * block_size:(j + 1) * block_size])
+        hashes.append(hash((hashes[-1] if hashes else None, block)))""",
+        hint=2,
+        caught_by="test_ch09_routing_exercise.py::test_block_names_are_the_same_in_every_process"),
+    NamedBug(
+        "09", "each block named alone, not chained",
+        "two prompts that share a block at the same place but not what comes before "
+        "it get the same key: the key no longer names a prefix",
+        old="""        digest.update((hashes[-1] if hashes else 0).to_bytes(8, "big"))
+""",
+        new="",
+        hint=1,
+        caught_by="test_ch09_routing_exercise.py::test_each_block_name_depends_on_every_token_before_it"),
+    NamedBug(
+        "09", "the partial last block named too",
+        "a short conversation's key changes as its first block fills: it moves between "
+        "replicas, and a prompt under one block never goes to the least loaded",
+        old="""    for j in range(min(len(token_ids) // block_size, max_blocks)):""",
+        new="""    for j in range(min(-(-len(token_ids) // block_size), max_blocks)):""",
+        hint=1,
+        caught_by="test_ch09_routing_exercise.py::test_block_names_cover_full_blocks_only"),
+    NamedBug(
+        "09", "one point per replica",
+        "the arcs between a few points are of any length: one replica takes a large share "
+        "of the prefixes, another almost none",
+        old="""        for i in range(self.points_per_replica):
+            point = ring_point(f"{name}#{i}")""",
+        new="""        for i in range(1):
+            point = ring_point(f"{name}#{i}")""",
+        hint=3,
+        caught_by="test_ch09_routing_exercise.py::test_different_conversations_spread_over_every_replica"),
+    NamedBug(
+        "09", "a key past the last point stays on the last point",
+        "the arc after the largest point goes to the wrong replica: the ring is not a ring, "
+        "and two routers that wrap would disagree",
+        old="""            name = self._owner[self._points[(start + step) % len(self._points)]]""",
+        new="""            name = self._owner[self._points[min(start + step, len(self._points) - 1)]]""",
+        hint=3,
+        caught_by="test_ch09_routing_exercise.py::test_a_key_belongs_to_the_first_point_clockwise"),
+    NamedBug(
+        "09", "a down replica's keys dealt out by modulo",
+        "when a replica goes down its prefixes land anywhere, and move again when it is "
+        "removed for good: caches go cold twice",
+        old="""        for step in range(len(self._points)):
+            name = self._owner[self._points[(start + step) % len(self._points)]]
+            if usable is None or name in usable:
+                return name
+        raise NoReplicaError("no usable replica on the ring")""",
+        new="""        name = self._owner[self._points[start % len(self._points)]]
+        if usable is None or name in usable:
+            return name
+        if not usable:
+            raise NoReplicaError("no usable replica on the ring")
+        return sorted(usable)[key % len(usable)]""",
+        hint=4,
+        caught_by="test_ch09_routing_exercise.py::test_the_ring_skips_replicas_that_are_not_usable"),
+    NamedBug(
+        "09", "a replica that is down still owns its prefixes",
+        "every conversation of a crashed replica is sent to it again, and fails or waits "
+        "for a retry, as long as it is down",
+        old="""        by_name = {r.name: r for r in alive}""",
+        new="""        by_name = {r.name: r for r in replicas}""",
+        hint=4,
+        caught_by="test_ch09_routing_exercise.py::test_a_down_replica_moves_only_its_prefixes_and_gets_them_back"),
+    NamedBug(
+        "09", "the key from the whole prompt's blocks",
+        "the key changes at every turn: a conversation moves to another replica each time, "
+        "and finds none of its history cached",
+        old="""        hashes = prefix_block_hashes(prompt_token_ids, self.block_size, self.prefix_blocks)""",
+        new="""        hashes = prefix_block_hashes(prompt_token_ids, self.block_size,
+                                     len(prompt_token_ids))""",
+        hint=5,
+        caught_by="test_ch09_routing_exercise.py::test_a_conversation_stays_on_one_replica_turn_after_turn"),
+    NamedBug(
+        "09", "the key from the first block alone",
+        "every prompt that starts with the same system prompt goes to one replica: "
+        "the others idle",
+        old="""        return by_name[self.ring.owner(hashes[-1], set(by_name))]""",
+        new="""        return by_name[self.ring.owner(hashes[0], set(by_name))]""",
+        hint=5,
+        caught_by="test_ch09_routing_exercise.py::test_prompts_that_differ_within_the_prefix_blocks_spread"),
+    NamedBug(
+        "09", "a replica removed from the ring keeps its points",
+        "a replica that left still owns keys: requests are sent to a replica the router "
+        "no longer has (a crash)",
+        old="""        self._points = [p for p in self._points if self._owner[p] != name]
+""",
+        new="",
+        hint=6,
+        caught_by="test_ch09_routing_exercise.py::test_adding_a_replica_moves_keys_only_to_it_and_removing_it_moves_them_back"),
+    NamedBug(
+        "09", "a short prompt sent to the first replica listed",
+        "every request shorter than a block lands on one replica, even when it is the "
+        "busiest or down",
+        old="""            return self.fallback.choose(prompt_token_ids, alive)""",
+        new="""            return replicas[0]""",
+        hint=7,
+        caught_by="test_ch09_routing_exercise.py::test_a_prompt_shorter_than_a_block_goes_to_the_least_loaded_healthy_replica"),
 ]
 
 

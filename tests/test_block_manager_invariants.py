@@ -260,6 +260,22 @@ def test_a_block_enters_the_prefix_cache_only_once_computed(impl):
     assert second.num_cached_tokens == 4, "reused a block whose K/V are not computed"
 
 
+def test_a_request_asking_for_prompt_logprobs_skips_the_prefix_cache(impl):
+    """Chapter 06's prompt_logprobs need the logits of every prompt token,
+    and a cached block has none: such a request computes its whole prompt
+    (vLLM's rule), and still fills the cache for the others."""
+    pool = Pool(impl.BlockManager(16, 4, enable_prefix_caching=True))
+    computed_prompt(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    asker = Sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 11],
+                     SamplingParams(max_tokens=64, prompt_logprobs=0))
+    assert pool.admit(asker)
+    assert asker.num_cached_tokens == 0 and asker.num_computed_tokens == 0
+    pool.compute(asker, asker.num_tokens, new_token=3)
+    other = new_seq("c", [1, 2, 3, 4, 5, 6, 7, 8, 12])
+    assert pool.admit(other)
+    assert other.num_cached_tokens == 8
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-caching", "prefix-caching"])
 @PROPERTY
 @given(data=st.data())

@@ -142,9 +142,9 @@ def test_prefix_caching_same_tokens_and_fewer_prefill_tokens(embedded, impl):
                     {"a": ids[0], "b": ids[1]}, greedy(16))
     engine = make_engine(embedded, block_size=16, enable_prefix_caching=True, impl=impl)
     first = run_all(engine, {"a": ids[0]}, greedy(16))
-    prefilled_first, hits_first = engine.stats.prompt_tokens, engine.stats.prefix_cache_hits
+    prefilled_first, hits_first = engine.stats.prompt_tokens_computed, engine.stats.prefix_cache_hits
     second = run_all(engine, {"b": ids[1]}, greedy(16))
-    prefilled_second = engine.stats.prompt_tokens - prefilled_first
+    prefilled_second = engine.stats.prompt_tokens_computed - prefilled_first
     cached_second = engine.stats.prefix_cache_hits - hits_first  # b's prompt tokens found
     assert first["a"].token_ids == plain["a"].token_ids
     assert second["b"].token_ids == plain["b"].token_ids

@@ -1,7 +1,8 @@
 """Chapter 06: the OpenAI-compatible server, over real HTTP.
 
 `server` is `06-openai-server/server.py` started as a learner would (with
-an API key); `local` is the same app run in this process on the shared
+an API key), then `09-scale-out/server.py --data-parallel-size 2` (the
+same suite, unchanged, on two engine processes); `local` is the same app run in this process on the shared
 model, so a test can hold the engine's step lock or make a step fail.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import openai
 import pytest
 import requests
+import torch
 
 from common.engine.async_llm import AsyncLLM
 from common.entrypoints.api_server import build_app
@@ -37,10 +39,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(start_server):
-    server = start_server("06", "--device-memory-gb", "1.1", "--api-key", KEY,
-                          "--served-model-name", "course-model")
+# The suite runs twice: on chapter 06, and unchanged on chapter 09 with two
+# engine processes behind the API server (common/engine/core_client.py).
+SERVERS = {"ch06": ("06", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"),
+           "ch09-dp2": ("09", "--data-parallel-size", "2")}
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
+def server(start_server, request):
+    chapter, *extra = SERVERS[request.param]
+    server = start_server(chapter, "--device-memory-gb", "1.1", "--api-key", KEY,
+                          "--served-model-name", "course-model", *extra)
     yield server
     server.stop()
 
@@ -177,7 +186,9 @@ def test_request_metrics_mean_what_vllms_mean(server):
     """One request with n=2: request_params_n observes 2 once, the most
     tokens one choice generated, each choice's prompt and generated tokens;
     a repeated prompt counts its tokens as prefix-cache queries, and its
-    full blocks but the last token's as hits (tokens, as vLLM, not blocks)."""
+    full blocks but the last token's as hits (tokens, as vLLM, not blocks).
+    vllm:prompt_tokens counts every prompt token received, cached or not,
+    and prompt_tokens_by_source splits them: computed, or a cache hit."""
     label = '{model_name="course-model"}'
     before = scrape_server(server)
     prompt = f"Count the sheep: {time.time_ns()} " + "sheep " * 40  # not cached yet
@@ -208,6 +219,15 @@ def test_request_metrics_mean_what_vllms_mean(server):
         "vllm:prefix_cache_queries_total" + label] == num_prompt
     assert again["vllm:prefix_cache_hits_total" + label] - after[
         "vllm:prefix_cache_hits_total" + label] == full_blocks
+    source = 'vllm:prompt_tokens_by_source_total{model_name="course-model",source="%s"}'
+    received = {"vllm:prompt_tokens_total" + label: num_prompt,
+                "vllm:prompt_tokens_cached_total" + label: full_blocks,
+                source % "local_cache_hit": full_blocks,
+                source % "local_compute": num_prompt - full_blocks,
+                source % "external_kv_transfer": 0}
+    assert {name: again[name] - after[name] for name in received} == received
+    assert grew("vllm:prompt_tokens_total") == 2 * num_prompt  # the n=2 request: both
+    assert grew("vllm:request_num_preemptions_count") == 2
     info = [k for k in again if k.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and 'block_size="16"' in info[0]
     assert 'enable_prefix_caching="True"' in info[0]
@@ -426,17 +446,8 @@ def test_bad_input_gets_400_with_param(server):
 def test_vllm_fields_it_does_not_implement_are_refused_not_ignored(server):
     """Each vLLM extra this server does not implement is a 400 naming it when
     set; left at its default it passes, as a client library would send it."""
-    refused = [("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-               ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
-               ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
-               ("/v1/chat/completions", {"echo": True}, "echo"),
-               ("/v1/chat/completions", {"add_generation_prompt": False},
-                "add_generation_prompt"),
-               ("/v1/chat/completions", {"continue_final_message": True},
-                "continue_final_message"),
-               ("/v1/chat/completions", {"stream": True, "stream_options": {
-                   "include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
-               ("/tokenize", {"add_generation_prompt": False}, "add_generation_prompt")]
+    refused = [("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+               ("/v1/completions", {"use_beam_search": True}, "use_beam_search")]
     for path, extra, param in refused:
         base = {"messages": CHAT} if path != "/v1/completions" else {"prompt": "Hi"}
         error = assert_error(post(server, path, {**base, "max_tokens": 2, **extra}), 400)
@@ -446,6 +457,203 @@ def test_vllm_fields_it_does_not_implement_are_refused_not_ignored(server):
                 "structured_outputs": None}
     ok = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **defaults})
     assert ok.status_code == 200, ok.text
+
+
+def test_logprobs_bounds_and_logit_bias_keys_as_vllm_words_them(server):
+    """-1 asks for the whole vocabulary: refused beyond vLLM's default
+    `--max-logprobs` (20), as vLLM refuses it; below -1 is out of bounds;
+    every bad logit_bias key is named at once."""
+    chat_lp = {"messages": CHAT, "max_tokens": 1, "logprobs": True}
+    cases = [
+        ("/v1/chat/completions", {**chat_lp, "top_logprobs": -1}, "top_logprobs",
+         "Requested sample logprobs of 49152, which is greater than max allowed: 20"),
+        ("/v1/chat/completions", {**chat_lp, "top_logprobs": 21}, "top_logprobs",
+         "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+        ("/v1/chat/completions", {**chat_lp, "top_logprobs": -2}, "top_logprobs",
+         "`top_logprobs` must be a positive value or -1."),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": -1}, "top_logprobs",
+         "when using `top_logprobs`, `logprobs` must be set to true."),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": -1}, "logprobs",
+         "Requested sample logprobs of 49152, which is greater than max allowed: 20"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": -3}, "logprobs",
+         "`logprobs` must be a positive value or -1."),
+        ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"a": 1, "5": 2, "\u00b2": 1}},
+         "logit_bias", "logit_bias contains key(s) that cannot be converted to integer "
+                       "token IDs: ['a', '\u00b2']")]
+    for path, body, param, words in cases:
+        error = assert_error(post(server, path, body), 400, param)
+        assert words in error["message"], (body, error)
+    top = post(server, "/v1/chat/completions", {**chat_lp, "top_logprobs": 20})
+    assert len(top.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def test_invocations_serve_chat_and_completions_as_vllm_does(server, client):
+    """SageMaker's route: a chat body answers as /v1/chat/completions, a
+    prompt as /v1/completions, anything else is a 400 naming both; /ping
+    is /health, open without the key."""
+    chat_body = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
+    direct = post(server, "/v1/chat/completions", chat_body).json()
+    routed = post(server, "/invocations", chat_body).json()
+    assert routed["object"] == "chat.completion"
+    assert routed["choices"][0]["message"] == direct["choices"][0]["message"]
+    text = post(server, "/invocations", {"prompt": "Paris is", "max_tokens": 4,
+                                         "temperature": 0}).json()
+    assert text["object"] == "text_completion" and text["choices"][0]["text"]
+    error = assert_error(post(server, "/invocations", {"hello": 1}), 400)
+    assert "Expected one of: ['ChatCompletionRequest', 'CompletionRequest']" in error["message"]
+    assert post(server, "/invocations", chat_body, headers={}).status_code == 401
+    assert requests.get(server.url + "/ping", timeout=30).json() == {"status": "ok"}
+
+
+def test_load_counts_the_requests_in_flight(server):
+    """--enable-server-load-tracking: /load counts a stream while it runs,
+    and forgets it once its client leaves (chapter 09 runs without the
+    flag: always 0)."""
+    tracking = "--enable-server-load-tracking" in server.process.args
+    wait_for(lambda: requests.get(server.url + "/load").json() == {"server_load": 0},
+             "the earlier tests' requests done (a client reads its answer before the "
+             "server's count drops)")
+    with post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4000,
+                                              "ignore_eos": True, "stream": True},
+              stream=True) as answer:  # long: still streaming when /load is read
+        lines = answer.iter_lines()  # held: a dropped generator closes the connection
+        next(line for line in lines if line)
+        load = requests.get(server.url + "/load", timeout=30).json()["server_load"]
+        assert load == (1 if tracking else 0)
+    wait_for(lambda: requests.get(server.url + "/load").json()["server_load"] == 0,
+             "the stream its client left no longer counted")
+
+
+def test_tokenizer_info_and_token_strs_for_chat(server, embedded):
+    info = requests.get(server.url + "/tokenizer_info", headers=AUTH, timeout=30)
+    if "--enable-tokenizer-info-endpoint" not in server.process.args:
+        assert info.status_code == 404  # off by default, as in vLLM
+    else:
+        assert info.json()["tokenizer_class"] == type(embedded.tokenizer).__name__
+        assert "<|im_start|>" in info.json()["chat_template"]
+        assert not {"vocab_file", "merges_file"} & set(info.json())
+    tokens = post(server, "/tokenize", {"messages": CHAT, "return_token_strs": True}).json()
+    assert len(tokens["token_strs"]) == tokens["count"] and tokens["token_strs"][0] == "<|im_start|>"
+
+
+def test_errors_vllms_tests_read_are_worded_as_vllm(server):
+    """Out-of-vocabulary prompt ids, an empty prompt, a seed beyond 64 bits:
+    vLLM's words (its own tests read them), the field named."""
+    cases = [({"prompt": [1, 2, 1000000]}, "prompt", "Token id 1000000 is out of vocabulary"),
+             ({"prompt": ""}, "prompt",
+              "Either prompt or prompt_embeds must be provided and non-empty."),
+             ({"prompt": "Hi", "seed": 2 ** 63}, "seed",
+              "Input should be less than or equal to 9223372036854775807")]
+    for extra, param, words in cases:
+        error = assert_error(post(server, "/v1/completions", {"max_tokens": 2, **extra}),
+                             400, param)
+        assert words in error["message"], (extra, error)
+
+
+def test_chat_template_extras_continue_echo_and_custom_roles(server, embedded):
+    """vLLM's chat extras: `continue_final_message` leaves the assistant's
+    last message open and the model goes on from it (HF's greedy tokens
+    after the same prompt ids), `echo` puts that message first in the
+    answer, streamed or not; `add_generation_prompt: false` and a custom
+    role reach the template as given; both flags on is vLLM's 400."""
+    messages = [{"role": "user", "content": "Name the capital of France."},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "return_token_ids": True}
+    answer = post(server, "/v1/chat/completions", body).json()
+    prompt = embedded.tokenizer.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True)
+    prompt_ids = embedded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert answer["prompt_token_ids"] == prompt_ids
+    generated = answer["choices"][0]["token_ids"]
+    assert generated == hf_greedy(embedded.model, prompt_ids, 6)[:len(generated)]
+    content = answer["choices"][0]["message"]["content"]
+    assert content.startswith("The capital of France is") and len(content) > 24
+    streamed = data_events(post(server, "/v1/chat/completions", {**body, "stream": True}))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed
+                   if e["choices"])
+    assert text == content
+    error = assert_error(post(server, "/v1/chat/completions", {
+        "messages": messages, "continue_final_message": True}), 400, "continue_final_message")
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in \
+        error["message"]
+    custom = [{"role": "narrator", "content": "Once upon a time"}]
+    tokens = post(server, "/tokenize", {"messages": custom,
+                                        "add_generation_prompt": False}).json()["tokens"]
+    expected = embedded.tokenizer.apply_chat_template(custom, tokenize=False)
+    assert tokens == embedded.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert post(server, "/v1/chat/completions", {"messages": custom, "max_tokens": 2}
+                ).status_code == 200
+
+
+def test_prompt_logprobs_as_vllm_sends_them(server, client, embedded):
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, rank,
+    decoded_token}}, the token itself first, the first position null; HF's
+    numbers (float32); in chat at the top level, also asked by `echo`;
+    refused in a stream, below -1, and beyond 20 in vLLM's words."""
+    prompt = "Paris is the capital of France"
+    ids = embedded.tokenizer(prompt)["input_ids"]
+    answer = client.completions.create(model="course-model", prompt=prompt, max_tokens=2,
+                                       temperature=0, extra_body={"prompt_logprobs": 2})
+    logprobs = answer.choices[0].prompt_logprobs  # the SDK keeps vLLM's extra field
+    with torch.no_grad():
+        hf = torch.log_softmax(embedded.model(torch.tensor([ids])).logits[0].float(), -1)
+    assert logprobs[0] is None and len(logprobs) == len(ids)
+    for p, position in enumerate(logprobs[1:]):
+        token = str(ids[p + 1])
+        assert list(position)[0] == token and 2 <= len(position) <= 3
+        assert position[token]["logprob"] == pytest.approx(float(hf[p, ids[p + 1]]), abs=1e-3)
+        assert position[token]["decoded_token"] == embedded.tokenizer.decode([ids[p + 1]])
+        assert sorted(e["rank"] for e in position.values())[:2] == [1, 2]
+    plain = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]  # only when asked
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        "max_tokens": 2, "echo": True, "add_generation_prompt": False,
+        "continue_final_message": True}).json()
+    assert chat["prompt_logprobs"][0] is None  # echo asks for them (top_logprobs of them: 0)
+    assert all(len(position) == 1 for position in chat["prompt_logprobs"][1:])
+    for body, words in [({"stream": True, "prompt_logprobs": 1}, "are not available when "
+                                                                 "`stream=True`"),
+                        ({"prompt_logprobs": -2}, "must be a positive value or -1"),
+                        ({"prompt_logprobs": -1}, "Requested prompt logprobs of 49152, which "
+                                                  "is greater than max allowed: 20")]:
+        error = assert_error(post(server, "/v1/completions", {"prompt": prompt, **body}), 400,
+                             "prompt_logprobs")
+        assert words in error["message"]
+
+
+def data_events(answer: requests.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in answer.text.splitlines()
+            if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path, base", [
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/completions", {"prompt": "Once upon a time"})])
+def test_continuous_usage_stats_puts_each_choices_usage_in_every_chunk(server, path, base):
+    """vLLM's `stream_options.continuous_usage_stats`: with `include_usage`,
+    every chunk carries its choice's usage so far; the last, choice-less
+    chunk the request's. Without `include_usage` it adds nothing (vLLM's rule)."""
+    body = {**base, "max_tokens": 5, "n": 2, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    events = data_events(post(server, path, body))
+    *per_choice, last = events
+    prompt_tokens = last["usage"]["prompt_tokens"]  # counted once, whatever n
+    seen = {0: [], 1: []}
+    for event in per_choice:
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        seen[event["choices"][0]["index"]].append(usage["completion_tokens"])
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 5  # grows to the choice's 5
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    plain = data_events(post(server, path, {**body, "stream_options": {
+        "continuous_usage_stats": True}}))
+    assert all(event.get("usage") is None for event in plain)
 
 
 def test_hostile_input_is_a_400_naming_the_param_on_a_kept_connection(server):
@@ -972,7 +1180,10 @@ def test_disable_fastapi_docs(embedded):
 # ------------------------------------------------------------ the metrics
 SNAPSHOT = {"running": 3, "waiting": 2, "kv_cache_usage_perc": 25.0, "prompt_tokens": 120,
             "generation_tokens": 64, "num_preemptions": 1, "prefix_cache_queries": 10,
-            "prefix_cache_hits": 4, "finished": {"stop": 5, "length": 2}}
+            "prefix_cache_hits": 4, "finished": {"stop": 5, "length": 2},
+            "waiting_by_reason": {"capacity": 2, "deferred": 0},
+            "prompt_tokens_by_source": {"local_compute": 112, "local_cache_hit": 8,
+                                        "external_kv_transfer": 0}}
 
 
 def scrape(metrics) -> dict[str, float]:
@@ -1002,6 +1213,13 @@ def test_the_engine_collector_reads_the_snapshot_at_scrape_time(impl):
     assert values['vllm:request_success_total{finished_reason="stop",model_name="m"}'] == 5
     assert values['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 2
     assert values["llm_course:engine_alive" + label] == 1
+    assert values['vllm:num_requests_waiting_by_reason{model_name="m",reason="capacity"}'] == 2
+    assert values['vllm:num_requests_waiting_by_reason{model_name="m",reason="deferred"}'] == 0
+    source = 'vllm:prompt_tokens_by_source_total{model_name="m",source="%s"}'
+    assert values[source % "local_compute"] == 112
+    assert values[source % "local_cache_hit"] == 8
+    assert values[source % "external_kv_transfer"] == 0
+    assert values["vllm:prompt_tokens_cached_total" + label] == 8
 
 
 @pytest.mark.ex06

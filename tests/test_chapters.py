@@ -28,14 +28,19 @@ from common.entrypoints.cli_args import api_server_parser, parse_server_args, se
 from common.entrypoints.simple_app import Completion, build_chat_app
 from tests.engine_helpers import make_engine
 
-ALL = sorted(CHAPTERS)  # "01" .. "08"
+ALL = sorted(CHAPTERS)  # "01" .. "09"
 FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--long-prefill-token-threshold": ["64"], "--enforce-eager": [],
                "--api-key": ["secret"], "--max-waiting": ["4"], "--disable-fastapi-docs": [],
+               "--enable-server-load-tracking": [], "--enable-tokenizer-info-endpoint": [],
                "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
                "--quantization": ["int8"], "--tensor-parallel-size": ["2"],
                "--live-view": [], "--record-events": ["/tmp/steps.jsonl"],
-               "--kv-events-config": ['{"enable_kv_cache_events": true}']}
+               "--kv-events-config": ['{"enable_kv_cache_events": true}'],
+               "--engine-core": ["in-process"], "--data-parallel-size": ["2"]}
+# What a flag needs beside it from chapter 09 on (the live view watches an
+# engine in the server's own process).
+ALONGSIDE_FROM_09 = {"--live-view": ["--engine-core", "in-process"]}
 FIELD_VALUES = {"top_p": 0.5, "stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5,
                 "logit_bias": {"11": 1.0}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                 "min_tokens": 1, "stop_token_ids": [2], "logprobs": True, "top_logprobs": 2,
@@ -63,6 +68,8 @@ def test_the_table_covers_every_flag_value_and_field():
 def test_every_chapter_refuses_the_flags_of_later_chapters(chapter, capsys):
     for flag, adds in FLAG_CHAPTERS.items():
         argv = [flag, *FLAG_VALUES[flag]]
+        if chapter >= "09":
+            argv += ALONGSIDE_FROM_09.get(flag, [])
         if adds <= chapter:
             parse_server_args(chapter_parser(chapter), chapter, argv)  # its own: accepted
             continue
@@ -73,16 +80,32 @@ def test_every_chapter_refuses_the_flags_of_later_chapters(chapter, capsys):
                 in capsys.readouterr().err), flag
 
 
+API_FLAGS = ("--api-key", "--max-waiting", "--disable-fastapi-docs",
+             "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint")
+
+
 @pytest.mark.parametrize("chapter", ALL)
 def test_a_chapters_help_shows_only_its_own_flags(chapter, capsys):
     with pytest.raises(SystemExit):
         chapter_parser(chapter).parse_args(["--help"])
     shown = capsys.readouterr().out
     for flag, adds in FLAG_CHAPTERS.items():
-        if flag in ("--api-key", "--max-waiting", "--disable-fastapi-docs") and chapter < "06":
+        if flag in API_FLAGS and chapter < "06":
             assert flag not in shown  # not even in its parser
         else:
             assert (flag in shown) == (adds <= chapter), (chapter, flag)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--live-view"], "--live-view watches an engine in the server's own process: "
+                      "add --engine-core in-process"),
+    (["--engine-core", "in-process", "-dp", "2"], "--data-parallel-size > 1 runs engines in "
+                                                 "processes of their own"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1")])
+def test_chapter_09_refuses_flags_that_cannot_go_together(argv, error, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_server_args(chapter_parser("09"), "09", argv)
+    assert info.value.code == 2 and error in capsys.readouterr().err
 
 
 def test_later_flags_at_their_defaults_change_nothing_and_pass():
@@ -94,7 +117,8 @@ def test_later_flags_at_their_defaults_change_nothing_and_pass():
 
 REFUSED_AT_START = [("01", "--api-key"), ("03", "--block-size"),
                     ("04", "--long-prefill-token-threshold"), ("05", "--speculative-config"),
-                    ("06", "--quantization"), ("07", "--tensor-parallel-size")]
+                    ("06", "--quantization"), ("07", "--tensor-parallel-size"),
+                    ("08", "--data-parallel-size")]
 
 
 def test_each_server_refuses_a_later_flag_before_loading_the_model():

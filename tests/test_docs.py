@@ -92,14 +92,14 @@ EXTERNAL = {
 # Flags quoted on purpose that no course script defines: other tools' flags quoted
 # on their own, and the real `vllm serve`'s that chapter 08's server lacks.
 EXTERNAL_FLAGS: set[str] = {
-    # vLLM's engine arguments (docs.vllm.ai, "Engine Arguments"), quoted in chapter 05
-    "--max-num-partial-prefills",
+    # vLLM's engine arguments (docs.vllm.ai, "Engine Arguments"), quoted in chapters 05, 06
+    "--max-num-partial-prefills", "--max-logprobs",
     # GuideLLM 0.8.1's `guidellm run` (bench/peers/guidellm_check.py builds the command)
     "--profile", "--constraint", "--data", "--tokenizer",
 }
 # Tools that are not the course's: the flags on their lines are left alone.
 EXTERNAL_COMMANDS = {
-    "curl", "git", "pip", "mdp", "source", "guidellm", "llama-server",
+    "curl", "git", "pip", "mdp", "source", "guidellm", "llama-server", "ray",
 }
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 PATH = re.compile(r"(?<![\w/.-])((?:common|bench|tests|0\d-[a-z-]+)/[\w./*-]*[\w*])")
@@ -305,7 +305,8 @@ def _server(chapter: str) -> Path | None:
 @lru_cache(maxsize=None)
 def every_script_flag() -> frozenset[str]:
     """What a `--flag` quoted on its own may be: any course script's."""
-    scripts = [*ROOT.glob("0*/*.py"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("tests/*.py")]
+    scripts = [*ROOT.glob("0*/*.py"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("tests/*.py"),
+               *(ROOT / "common/entrypoints" / f for f in ("router.py", "ray_replicas.py"))]
     return frozenset().union(pytest_flags(), *(script_flags(p) for p in scripts))
 
 

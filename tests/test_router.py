@@ -50,6 +50,8 @@ def fake_replica(name: str, mode: dict) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
+        if mode["answer"] == "hang":
+            await asyncio.sleep(3600)
         if mode["stats"] == "down":
             return JSONResponse({"error": "down"}, status_code=500)
         return {"waiting": 0, "running": 0, "kv_cache_usage_perc": 0.0, "engine_alive": True}
@@ -65,7 +67,7 @@ def fake_replica(name: str, mode: dict) -> FastAPI:
             return JSONResponse({"error": {"message": "bad max_tokens",
                                            "type": "invalid_request_error",
                                            "param": "max_tokens", "code": None}}, status_code=400)
-        if mode["answer"] == "hang":
+        if mode["answer"] == "hang":  # and /stats too (below): what SIGSTOP does
             await asyncio.sleep(3600)
         text = f"served by {name}"
         if body.get("stream"):
@@ -171,9 +173,9 @@ def test_a_failing_replica_is_retried_elsewhere_and_a_400_is_not(cluster):
 
 
 def test_a_hanging_replica_does_not_stall_the_router(cluster):
-    """SIGSTOP's stand-in: it accepts and never answers; its requests time out
-    (2 s here; the other tests give a slow machine 60 s) to the other replica,
-    streamed or not."""
+    """SIGSTOP's stand-in: it accepts and never answers, /stats included; the
+    poller marks it down after 2 s (the other tests give a slow machine 60 s)
+    and the requests waiting on it go to the other replica, streamed or not."""
     url, modes, router = cluster(2, replica_timeout_s=2.0)
     modes[0]["answer"] = "hang"
     assert all(served_by(ask(url)) == "r1" for _ in range(3))

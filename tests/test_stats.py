@@ -113,7 +113,10 @@ def test_a_request_failed_before_its_first_token_or_aborted_has_no_figures():
 # ------------------------------------------------- Prometheus, model-free
 SNAPSHOT = {"running": 0, "waiting": 0, "kv_cache_usage_perc": 0.0, "prompt_tokens": 0,
             "generation_tokens": 0, "num_preemptions": 0, "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0, "finished": {}}
+            "prefix_cache_hits": 0, "finished": {},
+            "waiting_by_reason": {"capacity": 0, "deferred": 0},
+            "prompt_tokens_by_source": {"local_compute": 0, "local_cache_hit": 0,
+                                        "external_kv_transfer": 0}}
 
 
 def scrape(metrics: Metrics) -> dict[str, float]:
@@ -149,6 +152,7 @@ def test_metrics_record_observes_vllms_per_request_histograms():
     assert hist("request_params_max_tokens") == (2, 5)
     assert hist("request_params_n") == (1, 2)
     assert hist("request_max_num_generation_tokens") == (1, 4)
+    assert hist("request_num_preemptions") == (2, 0)
 
 
 # ------------------------------------------------ the engine's stat loggers

@@ -39,15 +39,15 @@ def kv_ports() -> dict[str, int]:
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, kv_ports):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with vllm_peer.VllmServer(free_port(), log, "float32",
-                              extra=kv_events_flag(kv_ports["vllm"])) as server:
+    with vllm_peer.VllmServer(free_port(), log, "float32", extra=[
+            *kv_events_flag(kv_ports["vllm"]), *vllm_diff.ROUTE_FLAGS]) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def ours(start_server, kv_ports):
     # the course's `vllm serve`, float32 (conftest), with vLLM's KV events
-    return start_server("08", *kv_events_flag(kv_ports["ch06"]))
+    return start_server("08", *kv_events_flag(kv_ports["ch06"]), *vllm_diff.ROUTE_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +221,24 @@ def test_structured_outputs_equal_vllms(urls, kind):
     for name, url in urls.items():
         status = requests.post(url + "/v1/chat/completions", json=bad, timeout=60).status_code
         assert status == 400, name
+
+
+@needs_vllm
+def test_prompt_logprobs_equal_vllms(urls):
+    """vLLM's `prompt_logprobs`, both servers in float32: the same prompt
+    tokens, logprobs within float32 rounding, the same rank (but at a near
+    tie) and the same decoded tokens."""
+    body = {"prompt": "The capital of France is Paris, and the capital of Italy is",
+            "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    got = {name: requests.post(url + "/v1/completions", json=body, timeout=300).json()
+           ["choices"][0]["prompt_logprobs"] for name, url in urls.items()}
+    ours, theirs = got["ch06"], got["vllm"]
+    assert ours[0] is None and theirs[0] is None and len(ours) == len(theirs) > 10
+    for a, b in zip(ours[1:], theirs[1:]):
+        token = next(iter(a))
+        assert token in b, (a, b)  # the prompt token, first on our side
+        assert a[token]["logprob"] == pytest.approx(b[token]["logprob"], abs=1e-3)
+        assert a[token]["decoded_token"] == b[token]["decoded_token"]
+        near_tie = [e for e in b.values() if e is not b[token]
+                    and abs(e["logprob"] - b[token]["logprob"]) < vllm_diff.NEAR_TIE]
+        assert a[token]["rank"] == b[token]["rank"] or near_tie, (a, b)

@@ -95,13 +95,16 @@ def steps(budget: int, prefix_caching: bool, loaded) -> dict:
     per_step = []  # [tokens (prompt computed + sampled), ms] of every step
     started = time.monotonic()
     while engine.has_unfinished_requests():
-        prompt_before, generated_before = engine.stats.prompt_tokens, engine.stats.generation_tokens
+        # the step's tokens: prompt tokens computed + sampled (vLLM's iteration tokens)
+        step_tokens_before = engine.stats.iteration_tokens.total
+        generated_before = engine.stats.generation_tokens
         t0 = time.perf_counter()
         engine.step()
         ms = (time.perf_counter() - t0) * 1000
         total += 1
-        prompt = engine.stats.prompt_tokens - prompt_before
-        per_step.append([prompt + engine.stats.generation_tokens - generated_before, round(ms, 1)])
+        step_tokens = engine.stats.iteration_tokens.total - step_tokens_before
+        prompt = step_tokens - (engine.stats.generation_tokens - generated_before)
+        per_step.append([step_tokens, round(ms, 1)])
         if prompt:
             prefill_steps += 1
             prefill_ms.append(ms)
@@ -111,7 +114,7 @@ def steps(budget: int, prefix_caching: bool, loaded) -> dict:
     return {"max_num_batched_tokens": budget, "enable_prefix_caching": prefix_caching,
             "steps": total, "steps_with_prompt_tokens": prefill_steps,
             "decode_only_steps": total - prefill_steps,
-            "prompt_tokens_computed": snap["prompt_tokens"],
+            "prompt_tokens_computed": snap["prompt_tokens_by_source"]["local_compute"],
             "prefix_cache_hits_tokens": snap["prefix_cache_hits"],
             "prefix_cache_queries_tokens": snap["prefix_cache_queries"],
             "median_ms_step_with_prompt_tokens": round(statistics.median(prefill_ms), 1),

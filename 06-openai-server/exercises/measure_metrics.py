@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import measurement_machine, write_measurement  # noqa: E402
+from bench.bench import bf16_words, measurement_machine, write_measurement  # noqa: E402
 from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"--port {args.port}"
                           + (" --no-enable-prefix-caching" if args.no_enable_prefix_caching
                              else "")}
-    header = [f"# {args.date}: {info['cpu']}, {info['cores']} cores, bf16 flags "
-              f"{' '.join(info['bf16_flags']) or 'none'}, load average at start "
+    header = [f"# {args.date}: {info['cpu']}, {info['cores']} cores, {bf16_words(info)}, "
+              f"load average at start "
               f"{info['load_average_at_start'][0]:.2f}",
               *[f"# {k}: {v}" for k, v in commands.items()],
               f"# {kv_line}"]

@@ -51,9 +51,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 #   llm_course:engine_alive         gauge    alive() as 1.0 / 0.0 (not from the snapshot)
 #   vllm:num_requests_running       gauge    "running"
 #   vllm:num_requests_waiting       gauge    "waiting"
+#   vllm:num_requests_waiting_by_reason
+#                                   gauge    "waiting_by_reason", a dict reason -> count:
+#                                            one sample per reason, label reason
 #   vllm:kv_cache_usage_perc        gauge    "kv_cache_usage_perc", a fraction 0-1 (the
 #                                            snapshot has a percentage 0-100)
-#   vllm:prompt_tokens              counter  "prompt_tokens"
+#   vllm:prompt_tokens              counter  "prompt_tokens" (every token received)
+#   vllm:prompt_tokens_by_source    counter  "prompt_tokens_by_source", a dict source ->
+#                                            count: one sample per source, label source
+#   vllm:prompt_tokens_cached       counter  "prompt_tokens_by_source"["local_cache_hit"]
 #   vllm:generation_tokens          counter  "generation_tokens"
 #   vllm:num_preemptions            counter  "num_preemptions"
 #   vllm:prefix_cache_queries       counter  "prefix_cache_queries"

@@ -74,6 +74,7 @@ RENDERERS = {
     "bench.peers.vllm_steps": "markdown",
     "bench.pages.samples": "markdown",
     "bench.gpu.gpu_check": "render",
+    "bench.scale": "markdown",
 }
 
 

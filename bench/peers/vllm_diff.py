@@ -40,6 +40,8 @@ import requests
 from bench.loadtest import PROMPTS, ROOT, SYSTEM_PROMPT, ChapterServer, free_port
 
 MAX_TOKENS = 32
+# vLLM's flags for the routes WIRE_REQUESTS reads (/load, /tokenizer_info): both servers take them
+ROUTE_FLAGS = ["--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"]
 # The course's prompt set: the load test's questions under its system prompt,
 # and the same questions alone (the template then adds the model's own).
 PROMPT_SET = ([[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}]
@@ -185,12 +187,45 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Why is the sky blue?"}]}),
+    "chat stream continuous usage": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "messages": [{"role": "user", "content": "Why is the sky blue?"}]}),
     "completion": ("POST", "/v1/completions", {
         "model": "smollm2", "temperature": 0, "max_tokens": 6, "logprobs": 2,
         "prompt": "The three primary colors are"}),
     "completion stream": ("POST", "/v1/completions", {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True}, "prompt": "Once upon a time"}),
+    "completion stream continuous usage": ("POST", "/v1/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "prompt": "Once upon a time"}),
+    "chat continue echo": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 8, "echo": True,
+        "add_generation_prompt": False, "continue_final_message": True,
+        "messages": [{"role": "user", "content": "Name the capital of France."},
+                     {"role": "assistant", "content": "The capital of France is"}]}),
+    "chat prompt logprobs": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 4, "prompt_logprobs": 2,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    "completion prompt logprobs": ("POST", "/v1/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 4, "prompt_logprobs": 0,
+        "prompt": "The capital of France is Paris, and the capital of Italy is"}),
+    "chat custom role": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 8,
+        "messages": [{"role": "narrator", "content": "Once upon a time"}]}),
+    "invocations chat": ("POST", "/invocations", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    "invocations completion": ("POST", "/invocations", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 6,
+        "prompt": "The three primary colors are"}),
+    "load": ("GET", "/load", None),
+    "tokenizer info": ("GET", "/tokenizer_info", None),
+    "tokenize chat strs": ("POST", "/tokenize", {
+        "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
+        "return_token_strs": True}),
     "tokenize": ("POST", "/tokenize", {"model": "smollm2", "prompt": "Hello world"}),
     "tokenize chat": ("POST", "/tokenize", {
         "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}),
@@ -206,6 +241,26 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "n": 2,
         "messages": [{"role": "user", "content": "Hi"}]}),
     "error: bad json": ("POST", "/v1/chat/completions", "{not json"),
+    "error: out-of-vocabulary prompt": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 2, "prompt": [1, 2, 1000000]}),
+    "error: empty prompt": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 2, "prompt": ""}),
+    "error: seed too big": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 2, "seed": 2 ** 63,
+        "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: top_logprobs -1": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 1, "logprobs": True, "top_logprobs": -1,
+        "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: prompt_logprobs -1": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 1, "prompt_logprobs": -1, "prompt": "Hi"}),
+    "error: prompt_logprobs in a stream": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 1, "prompt_logprobs": 1, "stream": True,
+        "prompt": "Hi"}),
+    "error: logprobs -2": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 1, "logprobs": -2, "prompt": "Hi"}),
+    "error: logit_bias keys": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 1, "logit_bias": {"a": 1, "5": 2, "b": 1},
+        "messages": [{"role": "user", "content": "Hi"}]}),
     "error: no route": ("GET", "/v1/nothing-here", None),
 }
 
@@ -228,7 +283,8 @@ def call(url: str, method: str, path: str, body) -> dict:
 
 
 def shape(value, path: str = "") -> dict[str, str]:
-    """JSON -> {field path: JSON type}; list items share one path (`[]`)."""
+    """JSON -> {field path: JSON type}; list items share one path (`[]`), and
+    so do the entries of a dict keyed by token id (prompt_logprobs: `<id>`)."""
     kind = ("null" if value is None else "bool" if isinstance(value, bool) else
             "number" if isinstance(value, (int, float)) else
             "string" if isinstance(value, str) else
@@ -236,6 +292,7 @@ def shape(value, path: str = "") -> dict[str, str]:
     out = {path or ".": kind}
     if isinstance(value, dict):
         for key, item in value.items():
+            key = "<id>" if key.isdigit() else key
             out.update(_merge(out, shape(item, f"{path}.{key}")))
     elif isinstance(value, list):
         for item in value:
@@ -343,6 +400,10 @@ WIRE_DIFFERENCES: dict[str, str] = {
         "an unknown path: vLLM answers FastAPI's default `{\"detail\": \"Not Found\"}`, ours "
         "OpenAI's error envelope, as for every other error",
     "error: no route: .error: ours only": "the same 404: ours in OpenAI's envelope",
+    "tokenizer info: .truncation_side: vLLM only":
+        "vLLM loads its tokenizer with a truncation side set, for its "
+        "`truncate_prompt_tokens`; ours keeps the tokenizer's own settings (no prompt "
+        "truncation: a prompt too long is a 400)",
 }
 
 
@@ -397,8 +458,10 @@ def main() -> int:
         return 2
     logs = Path(tempfile.mkdtemp(prefix="vllm-diff-"))
     loaded = load_model("smollm2", dtype="float32", device="cpu")
-    with ChapterServer("08", free_port(), ["--dtype", "float32"], logs / "ch08.log") as ours, \
-            vllm_peer.VllmServer(free_port(), logs / "vllm.log", "float32") as theirs:
+    with ChapterServer("08", free_port(), ["--dtype", "float32", *ROUTE_FLAGS],
+                       logs / "ch08.log") as ours, \
+            vllm_peer.VllmServer(free_port(), logs / "vllm.log", "float32",
+                                 extra=ROUTE_FLAGS) as theirs:
         urls = {"ch06": ours.url, "vllm": theirs.url}
         runs = token_runs(urls, loaded)
         same_prompts = runs["prompts"]["ch06"] == runs["prompts"]["vllm"]

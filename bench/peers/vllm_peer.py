@@ -82,11 +82,15 @@ def model_dir() -> Path:
     return convert_embedded_model()
 
 
-def vllm_env(kv_gb: int = DEFAULT_KV_GB, reserved_cpus: int = 0) -> dict[str, str]:
-    """The environment the real vLLM runs in (see the module's docstring)."""
+def vllm_env(kv_gb: int = DEFAULT_KV_GB, reserved_cpus: int = 0,
+             omp_threads_bind: str | None = None) -> dict[str, str]:
+    """The environment the real vLLM runs in (see the module's docstring).
+    `omp_threads_bind`: the cores its compute threads run on ("0", "0-1";
+    vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM chooses)."""
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind} if omp_threads_bind else {}
     return {**os.environ, "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus), **bind,
             "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1"}
 
@@ -124,14 +128,15 @@ class VllmServer(ServerProcess):
 
     def __init__(self, port: int, log_path: Path, dtype: str = "float32",
                  kv_gb: int = DEFAULT_KV_GB, reserved_cpus: int = 0,
-                 startup_timeout: float = STARTUP_TIMEOUT_S, **flags):
+                 startup_timeout: float = STARTUP_TIMEOUT_S,
+                 omp_threads_bind: str | None = None, **flags):
         problem = missing()
         if problem:
             raise RuntimeError(problem)
         self.command = serve_command(port, dtype, **flags)
         self.shown = shown(self.command, kv_gb, reserved_cpus)
         super().__init__(f"vLLM {VLLM_CPU}", self.command, port, log_path, startup_timeout,
-                         env=vllm_env(kv_gb, reserved_cpus))
+                         env=vllm_env(kv_gb, reserved_cpus, omp_threads_bind))
 
 
 # ------------------------------------------------------------------ main

@@ -27,7 +27,12 @@ class: they never touch the engine's scheduler or blocks.
 - `step_events()` switches on the engine's step events (the live view:
   common/entrypoints/live_view.py); their subscribers run on the loop thread.
 
-Left out: a separate engine process (vLLM v1's EngineCore over ZeroMQ).
+`EngineClient` is what every front shares (vLLM's name,
+vllm/engine/protocol.py): one async stream per request, the engine's
+published figures, its death. `AsyncLLM` runs the engine on a thread of
+the server's own process (ch03-08); chapter 09's `AsyncMPClient`
+(common/engine/core_client.py) runs it in processes of its own, over
+ZeroMQ, as vLLM v1 does by default.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine
@@ -55,32 +61,165 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; the others go on."""
 
 
-class AsyncLLM:
+@dataclass
+class QueueCounts:
+    """One engine's counts behind `num_waiting()`. Each field has one
+    writer thread: `num_added` the server's, the others the thread that
+    reads the engine's steps."""
+    free_slots: int  # sequence slots free after the last step
+    num_added: int = 0  # requests handed to the engine
+    num_drained: int = 0  # requests the engine took in and stepped
+    left_waiting: int = 0  # queued after the last step
+
+    def num_waiting(self, extra: int = 0) -> int:
+        """Requests that will not run at the next step (with `extra` more
+        arrivals): those the last step left waiting, plus new arrivals
+        beyond the sequence slots it left free. (An arrival that finds a
+        slot but no free block counts from the step after: a step late,
+        never wrongly refused.)"""
+        arrivals = self.num_added - self.num_drained + extra
+        return self.left_waiting + max(0, arrivals - self.free_slots)
+
+
+class EngineClient:
+    """What a server talks to: requests in, each with its own async stream
+    of outputs; the engine's figures as of its last step. Subclasses say
+    where the engine runs (`_submit_add`, `_submit_abort`, `alive`) and
+    answer the servers' questions (`check_request`, ...)."""
+
+    # Set by subclasses, read by servers.
+    tokenizer = None
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    cache_config_info: dict  # static: vllm:cache_config_info
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.dead: BaseException | None = None
+        self.died = threading.Event()
+        # The engine's figures after its last step: replaced whole (never
+        # changed in place), so readers on other threads need no lock.
+        self._published: dict = {}
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict:
+        """The engine's figures as of its last step (no lock, no waiting)."""
+        stats = dict(self._published)
+        stats["engine_alive"] = self.alive
+        stats["engine_error"] = None if self.dead is None else repr(self.dead)
+        return stats
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None
+                    ) -> "RequestStream":
+        """Queue a validated request for the engine now; read its outputs
+        from the returned stream. `arrival_time` (`time.monotonic()`): now
+        unless given (a server may pass when the HTTP request came in)."""
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
+        self._submit_add(request_id, list(prompt_token_ids), params, arrival_time)
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs; the last has finished=True.
+        Closing the iterator early (client gone) aborts the request."""
+        stream = self.add_request(request_id, prompt_token_ids, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._submit_abort(request_id)
+
+    def _submit_add(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        raise NotImplementedError
+
+    def _submit_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------- outputs to the streams
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def _send(self, request_id: str, item) -> None:
+        """Hand an output (or an exception) to its stream, from any thread."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: the server has stopped
+                pass
+
+    def _deliver(self, outputs: list[RequestOutput], failed: list[tuple[str, str]]) -> None:
+        """One step's outputs to their streams; a request that failed in
+        the engine gets `RequestFailedError`, the others go on."""
+        for request_id, error in failed:
+            self._send(request_id, RequestFailedError(error))
+        for output in outputs:
+            completion = output.outputs[0]
+            if completion.finish_reason is FinishReason.ERROR:
+                self._send(output.request_id, RequestFailedError(completion.error))
+            else:
+                self._send(output.request_id, output)
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine is gone for good: every stream gets `EngineDeadError`."""
+        self.dead = exc
+        self.died.set()
+        for request_id in list(self._streams):
+            self._send(request_id, EngineDeadError(f"the engine loop died: {exc!r}"))
+
+
+def step_or_fail(engine: LLMEngine) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    """One `engine.step()`. A step that fails as a whole (the forward
+    pass) aborts the requests in it: they come back as (request id, error)
+    and the engine keeps serving. A tensor-parallel rank that died (ch08:
+    `RankDiedError`) is raised: no step can run any more."""
+    try:
+        return engine.step(), []
+    except RankDiedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+        log.exception("engine step failed; aborting the requests in flight")
+        failed = [(request_id, f"internal engine error: {exc!r}")
+                  for request_id in list(engine.sequences)]
+        for request_id, _ in failed:
+            engine.abort(request_id)
+        return [], failed
+
+
+class AsyncLLM(EngineClient):
     """A background thread drives `engine.step()`; each request is an async
     stream. Only that thread touches the engine."""
 
     def __init__(self, engine: LLMEngine):
+        super().__init__()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.max_num_seqs = engine.scheduler.max_num_seqs
-        self.cache_config_info = engine.cache_config_info()  # static: vllm:cache_config_info
+        self.cache_config_info = engine.cache_config_info()
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held during a step; close() waits for it
         self._closed = False  # set by close(): the loop ends before its next step
-        self.dead: BaseException | None = None
-        self.died = threading.Event()
-        # For num_waiting(); each counter has one writer thread.
-        self._num_added = 0  # requests put in the inbox (the server's thread)
-        self._num_drained = 0  # requests taken out and stepped (the engine thread)
-        self._left_waiting = 0  # queued after the last step (the engine thread)
-        self._free_slots = self.max_num_seqs  # sequence slots free after the last step
-        # The engine's figures after the last step: replaced whole (never
-        # changed in place), so readers on other threads need no lock.
-        self._published: dict = engine.snapshot()
+        self._counts = QueueCounts(free_slots=self.max_num_seqs)
+        self._published = engine.snapshot()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -128,13 +267,8 @@ class AsyncLLM:
         return self.engine.default_max_tokens(num_prompt_tokens, cap)
 
     def num_waiting(self, extra: int = 0) -> int:
-        """Requests that will not run at the next step (with `extra` more
-        arrivals): those the last step left waiting, plus new arrivals
-        beyond the sequence slots it left free. (An arrival that finds a
-        slot but no free block counts from the step after: a step late,
-        never wrongly refused.)"""
-        arrivals = self._num_added - self._num_drained + extra
-        return self._left_waiting + max(0, arrivals - self._free_slots)
+        """Requests that will not run at the next step (`QueueCounts`)."""
+        return self._counts.num_waiting(extra)
 
     def close(self) -> None:
         """Stop the engine loop between steps, then the engine's
@@ -159,59 +293,18 @@ class AsyncLLM:
         with self._lock:
             return self.engine.enable_step_events()
 
-    def snapshot(self) -> dict:
-        """The engine's figures as of its last step (no lock, no waiting)."""
-        stats = dict(self._published)
-        stats["engine_alive"] = self.alive
-        stats["engine_error"] = None if self.dead is None else repr(self.dead)
-        return stats
-
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None
-                    ) -> "RequestStream":
-        """Queue a validated request for the engine loop now; read its
-        outputs from the returned stream. `arrival_time` (`time.monotonic()`):
-        now unless given (a server may pass when the HTTP request came in)."""
-        if arrival_time is None:
-            arrival_time = time.monotonic()
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._num_added += 1
+    def _submit_add(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        self._counts.num_added += 1
         self._inbox.put(("add", request_id, (prompt_token_ids, params, arrival_time)))
         self._wakeup.set()
-        return stream
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs; the last has finished=True.
-        Closing the iterator early (client gone) aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
-
-    def abort(self, request_id: str) -> None:
+    def _submit_abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
         self._wakeup.set()
 
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
     # ------------------------------------------------------------ the loop
-    def _send(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # its event loop is closed: the server has stopped
-                pass
-
     def _drain_inbox(self) -> int:
         """Hand queued requests and aborts to the engine; returns the adds."""
         added = 0
@@ -239,42 +332,23 @@ class AsyncLLM:
                     if self._closed:
                         return
                     added = self._drain_inbox()
-                    outputs = self._step()
-                    self._left_waiting = len(self.engine.scheduler.waiting)
-                    self._free_slots = self.max_num_seqs - len(self.engine.scheduler.running)
-                    self._num_drained += added
+                    outputs, failed = step_or_fail(self.engine)
+                    self._counts.left_waiting = len(self.engine.scheduler.waiting)
+                    self._counts.free_slots = (self.max_num_seqs
+                                               - len(self.engine.scheduler.running))
+                    self._counts.num_drained += added
                     self._published = self.engine.snapshot()
-                for output in outputs:
-                    completion = output.outputs[0]
-                    if completion.finish_reason is FinishReason.ERROR:
-                        self._send(output.request_id, RequestFailedError(completion.error))
-                    else:
-                        self._send(output.request_id, output)
+                self._deliver(outputs, failed)
         except BaseException as exc:  # noqa: BLE001 - the loop is dead: tell everyone
             log.exception("the engine loop died")
-            self.dead = exc
-            self.died.set()
-            for request_id in list(self._streams):
-                self._send(request_id, EngineDeadError(f"the engine loop died: {exc!r}"))
-
-    def _step(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except RankDiedError:  # ch08: no step can run any more: the loop dies
-            raise
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("engine step failed; aborting the requests in flight")
-            for request_id in list(self.engine.sequences):
-                self.engine.abort(request_id)
-                self._send(request_id, RequestFailedError(f"internal engine error: {exc!r}"))
-            return []
+            self._die(exc)
 
 
 class RequestStream:
     """One request's outputs, as an async iterator. `close()` before the
     end aborts the request (its blocks are freed at the next step)."""
 
-    def __init__(self, engine: AsyncLLM, request_id: str):
+    def __init__(self, engine: EngineClient, request_id: str):
         self.engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()

@@ -102,8 +102,8 @@ class BlockManager:
         At least one token must still be computed to get logits, so when the
         whole prompt is cached the last block is recomputed (as vLLM does).
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return []  # ch06: prompt logprobs need every prompt token's logits (vLLM's rule)
         hits = []
         max_reusable = (seq.num_tokens - 1) // self.block_size
         for j, block_hash in enumerate(self._full_block_hashes(seq, seq.num_tokens)):

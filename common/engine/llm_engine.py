@@ -41,13 +41,15 @@ The figures (running totals, every new token's time, the periodic log
 line, the stat loggers such as chapter 06's Prometheus `Metrics`) are the
 `StatsCollector`'s (common/engine/stats.py).
 
-Left out: an engine core in its own process (vLLM's v1 runs it apart from
-the API server, over ZeroMQ), LoRA, multimodal inputs.
-The async front that servers use is common/engine/async_llm.py.
+Left out: LoRA, multimodal inputs. The async fronts that servers use are
+common/engine/async_llm.py (the engine on a thread of the server's
+process) and, chapter 09, common/engine/core_client.py (the engine in a
+process of its own: common/engine/core.py).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -100,6 +102,32 @@ def default_max_tokens(num_prompt_tokens: int, room: int,
     06). At least 1, so that a prompt too long fails the context check."""
     left = room - num_prompt_tokens
     return max(1, left if cap is None else min(cap, left))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The engine's admission rules, from its sizes alone: what a front in
+    another process (chapter 09) checks without asking the engine."""
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+    def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse at once what could never run (instead of hanging)."""
+        if num_prompt_tokens == 0:
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's words
+        check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
+        needed = -(-(num_prompt_tokens + params.max_tokens) // self.block_size)  # ceil
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"The request needs up to {needed} KV blocks but the cache only has "
+                f"{self.num_blocks}: it can never fit on this card.")
+
+    def default_max_tokens(self, num_prompt_tokens: int,
+                           cap: int | None = DEFAULT_MAX_TOKENS) -> int:
+        """What fits in the context and in the whole cache, at most `cap`."""
+        return default_max_tokens(num_prompt_tokens,
+                                  min(self.max_model_len, self.num_blocks * self.block_size), cap)
 
 
 class LLMEngine:
@@ -197,15 +225,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     @property
-    def cache_tokens(self) -> int:
-        """Tokens the whole KV cache holds."""
-        return self.block_manager.num_blocks * self.block_size
+    def admission(self) -> Admission:
+        """The admission rules, from the engine's sizes."""
+        return Admission(self.max_model_len, self.block_manager.num_blocks, self.block_size)
 
     def default_max_tokens(self, num_prompt_tokens: int,
                            cap: int | None = DEFAULT_MAX_TOKENS) -> int:
         """What fits in the context and in the whole cache, at most `cap`."""
-        return default_max_tokens(num_prompt_tokens, min(self.max_model_len, self.cache_tokens),
-                                  cap)
+        return self.admission.default_max_tokens(num_prompt_tokens, cap)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """ch07: compile a constraint now (raises `GrammarError`, a
@@ -219,16 +246,9 @@ class LLMEngine:
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse at once what could never run (instead of hanging). The
         entrypoints call it once per request, before `add_request`."""
-        if num_prompt_tokens == 0:
-            raise ValueError("The prompt is empty.")
-        if params.structured_outputs is not None:  # ch07: a cache hit after compile_grammar
-            self.compile_grammar(params.structured_outputs)
-        check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_needed(num_prompt_tokens + params.max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"The request needs up to {needed} KV blocks but the cache only has "
-                f"{self.block_manager.num_blocks}: it can never fit on this card.")
+        if params.structured_outputs is not None and num_prompt_tokens:  # ch07: cached
+            self.compile_grammar(params.structured_outputs)  # after the server's compile
+        self.admission.check(num_prompt_tokens, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None) -> None:

@@ -5,7 +5,10 @@ new token, `slot_mapping` (where each token's K/V go), `block_tables` and
 `context_lens` (what each sequence attends to), `query_start_loc` (where each
 sequence's tokens start). Decode sequences (one new token) go first so that
 attention can batch them. Only the last token of a sequence that is ready
-to sample goes through the LM head.
+to sample goes through the LM head; and (ch06) the prompt tokens of a
+request that asked for `prompt_logprobs`: each position's logits give the
+logprob of the prompt token after it, collected on the sequence chunk by
+chunk (vLLM computes them the same way, a chunk's rows at once).
 
 CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
 
@@ -37,7 +40,7 @@ from common.engine.kv_cache import KVCache
 from common.engine.scheduler import ScheduledSeq
 from common.engine.sequence import Sequence
 from common.layers.attention import AttentionMetadata
-from common.layers.sampler import SampledToken, Sampler, SamplingFailed
+from common.layers.sampler import SampledToken, Sampler, SamplingFailed, prompt_token_logprobs
 
 SampledTokens = dict[Sequence, list[SampledToken] | SamplingFailed]
 
@@ -77,6 +80,7 @@ class StepInputs:
     num_decodes: int
     block_size: int
     sample_rows: list[int]  # rows of the hidden states that go through the LM head
+    prompt_logprob_rows: list[int]  # ch06: more rows through it, for prompt logprobs
 
     def to_tensors(self, device: torch.device):
         def tensor(values, dtype):
@@ -108,7 +112,7 @@ class ModelRunner:
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
         input_ids, positions, slots, query_start, context_lens = [], [], [], [0], []
-        sample_rows = []
+        sample_rows, prompt_rows = [], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -120,29 +124,33 @@ class ModelRunner:
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
             sample_rows += range(query_start[-1] - item.num_logits_rows, query_start[-1])
+            first_row = query_start[-2] - start  # the row of position `start`, minus start
+            prompt_rows += [first_row + p for p in seq.prompt_logprob_positions(start, end)]
         max_blocks = max(len(item.seq.block_table) for item in batch)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
         return StepInputs(
             input_ids, positions, slots, query_start, context_lens, tables,
             num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
-            block_size=self.block_size, sample_rows=sample_rows)
+            block_size=self.block_size, sample_rows=sample_rows,
+            prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass and the LM head; every rank runs it (ch08).
-        Returns the logits (num_sampling, vocab), or None where this step
-        samples nothing, and on ranks other than 0."""
+        Returns the logits (num_sampling + num_prompt_logprob_rows, vocab),
+        or None where this step samples nothing, and on ranks other than 0."""
         input_ids, positions, meta = step.to_tensors(self.device)
         if self.graphs is not None and self.graphs.can_run(len(step.context_lens),
                                                            step.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)  # ch05: a CUDA graph replay
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache.kv_caches, meta)
-        if not step.sample_rows:
+        rows = step.sample_rows + step.prompt_logprob_rows
+        if not rows:
             return None
-        last_rows = torch.tensor(step.sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab)
+        rows = torch.tensor(rows, device=self.device)
+        return self.model.compute_logits(hidden[rows])  # (num_rows, vocab)
 
     @torch.inference_mode()  # no_grad, and no autograd bookkeeping per tensor either
     def execute_model(self, batch: list[ScheduledSeq]) -> SampledTokens:
@@ -158,11 +166,32 @@ class ModelRunner:
             logits = self.forward_logits(step)
         if logits is None:
             return {}
+        num_sample_rows = len(step.sample_rows)
+        if step.prompt_logprob_rows:  # ch06
+            self.collect_prompt_logprobs(batch, logits[num_sample_rows:])
         sampling = [item for item in batch if item.samples]
+        if not sampling:
+            return {}
+        logits = logits[:num_sample_rows]
         rows = self.item_rows(sampling)
         for processor in self.logits_processors:  # ch07: structured outputs
             processor.apply(logits, sampling, rows)
         return self.sampling(logits, sampling, rows)
+
+    @staticmethod
+    def collect_prompt_logprobs(batch: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        """ch06: logits (num_prompt_logprob_rows, vocab), in the batch's
+        order -> each asking sequence's prompt logprobs, appended."""
+        start_row = 0
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            positions = seq.prompt_logprob_positions(start, start + item.num_new_tokens)
+            if positions:
+                rows = logits[start_row:start_row + len(positions)]
+                seq.prompt_logprobs += prompt_token_logprobs(
+                    rows, seq.prompt_token_ids[positions.start + 1:positions.stop + 1],
+                    seq.params.prompt_logprobs)
+                start_row += len(positions)
 
     @staticmethod
     def item_rows(sampling: list[ScheduledSeq]) -> list[range]:

@@ -16,7 +16,7 @@ new tokens: one, or with speculative decoding, ch07, up to k + 1)
 3. builds the request's `RequestOutput`: with `RequestOutputKind.DELTA`
    (streams) the new tokens and text of this step, with `FINAL_ONLY`
    (whole answers, the offline `LLM`) everything, once, when the request
-   finishes;
+   finishes; the prompt's logprobs, if asked, go in its first output;
 4. (ch06) times the new token into the step's `IterationStats`
    (common/engine/stats.py), whatever the output kind: the time to first
    token or the gap since the request's previous token, all at the
@@ -129,7 +129,8 @@ class OutputProcessor:
                     to_finish.append(Finish(seq, reason, error))
             num_new = seq.num_output_tokens - state.num_processed  # after a stop string's cut
             if iteration_stats is not None and num_new:
-                iteration_stats.update_from_output(state.stats, seq.first_scheduled_time, num_new)
+                iteration_stats.update_from_output(state.stats, seq.first_scheduled_time, num_new,
+                                                   seq.num_prompt_tokens, seq.num_cached_tokens)
             state.num_processed = seq.num_output_tokens
             output = self._output(state, new_text, num_new, reason, error)
             if output is not None:
@@ -139,7 +140,7 @@ class OutputProcessor:
                 if iteration_stats is not None:
                     iteration_stats.update_from_finished_request(
                         seq.request_id, reason, seq.num_prompt_tokens, seq.params.max_tokens,
-                        state.stats)
+                        state.stats, seq.num_preemptions)
         return outputs, to_finish
 
     def _new_texts(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
@@ -182,6 +183,7 @@ class OutputProcessor:
     def _output(state: RequestState, new_text: str, num_new: int, reason: FinishReason | None,
                 error: str | None) -> RequestOutput | None:
         seq, done = state.seq, reason is not None
+        first = 0
         if seq.params.output_kind is RequestOutputKind.DELTA:
             first = seq.num_output_tokens - num_new
             token_ids, text = seq.output_token_ids[first:], new_text
@@ -193,5 +195,7 @@ class OutputProcessor:
             return None
         completion = CompletionOutput(0, text, token_ids, logprobs, reason,
                                       seq.num_output_tokens, error)
+        # ch06: the prompt's logprobs in the request's first output
+        prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not first else None
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [completion], done,
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, prompt_logprobs)

@@ -13,6 +13,11 @@ Who writes `num_computed_tokens`, one writer per event:
 - preemption or finish: `BlockManager.deallocate` sets it back to 0 (the
   K/V are gone; a preempted sequence recomputes them, ch05).
 
+ch06: a request asking for `prompt_logprobs` collects them in
+`prompt_logprobs` as its prompt is computed, chunk by chunk (the first
+token has none: nothing predicts it). Such a request reads nothing from
+the prefix cache (vLLM's rule): a cached block has no logits left.
+
 ch07: a constrained request's grammar (`structured_output`, attached by
 the engine's StructuredOutputManager) moves with every token appended.
 
@@ -64,12 +69,30 @@ class Sequence:
     structured_output: TokenConstraint | None = None  # ch07: its grammar, if any
     arrival_time: float = field(default_factory=time.monotonic)  # or the async front's
     first_scheduled_time: float | None = None  # set by the engine at its first step
+    # ch06: the prompt tokens' logprobs so far (prompt_logprobs), the first one None
+    prompt_logprobs: list[SampledToken | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Prompt + output in one list, appended once per token: the runner
         # slices it each step without rebuilding it.
         self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.stop_token_ids = frozenset(self.params.stop_token_ids)  # once, not a list per step
+        if self.wants_prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first token: nothing predicts it
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """ch06: of the positions fed this step, [start, end), those whose
+        logits give a prompt logprob not yet collected: position p
+        predicts prompt token p + 1. Empty unless the request asked, and
+        after a preemption's recompute (collected already)."""
+        if not self.wants_prompt_logprobs:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1),
+                     min(end, self.num_prompt_tokens - 1))
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,10 @@ Two kinds, as in vLLM v1 (vllm/v1/metrics/stats.py, whose names these are):
 - running totals for `LLMEngine.snapshot()` (`EngineStats`; tokens per
   step as plain bucket counts, `BucketCounts`): what `/stats` shows and
   `/metrics` reads at scrape time;
-- per step, `IterationStats`: the step's prompt and generated tokens, the
+- per step, `IterationStats`: the step's prompt and generated tokens (a
+  prompt counts whole, as vLLM counts it, when its request gets its first
+  token; `PromptTokenStats` splits it by source: computed here or found
+  in the prefix cache), the
   time to first token of each request that got its first token, the
   inter-token latency of each that got another, and a
   `FinishedRequestStats` for each request that finished. The output
@@ -25,9 +28,9 @@ request's `arrival_time` is when it reached the engine's async front
 Left out: vLLM's `SchedulerStats` (the snapshot plays its part), its
 frontend wall-clock arrival time beside the engine core's monotonic
 times (one clock here; the queue time runs from arrival, not from a
-separate QUEUED event), per-request preemption counts, per-step
-prefix-cache stats (counted in `EngineStats`), the split of prompt tokens
-by source, LoRA, NaN-corruption and KV-eviction figures; the
+separate QUEUED event), per-step prefix-cache stats (counted in
+`EngineStats`), KV transfers (the source `external_kv_transfer` is always
+0), LoRA, NaN-corruption and KV-eviction figures; the
 speculative-decoding counts (ch07) are running totals in `EngineStats`,
 not per step. A request aborted (client gone) or failed before its first token
 gives no `FinishedRequestStats`: it has no latencies to observe (its
@@ -72,13 +75,17 @@ class BucketCounts:
 class EngineStats:
     """The engine's running totals since it started (`snapshot()`)."""
     num_steps: int = 0  # steps that ran a batch (the live view's frame numbers)
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    # vLLM's: every prompt token received (at its request's first token), and
+    # of them those computed here and those found in the prefix cache
+    prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
     generation_tokens: int = 0
     # vLLM's prefix-cache figures, in tokens: a new request's tokens looked
     # up, and those found (the block manager counts blocks, chapter 04)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    iteration_tokens: BucketCounts = field(  # tokens per step (prompt computed + sampled)
+    iteration_tokens: BucketCounts = field(  # tokens per step (prompt computed + sampled, ours)
         default_factory=lambda: BucketCounts(ITERATION_TOKENS_BUCKETS))
     peak_running: int = 0
     peak_reserved_slots: int = 0
@@ -134,6 +141,20 @@ class RequestStateStats:
 
 
 @dataclass
+class PromptTokenStats:
+    """A step's prompt tokens by source (vLLM's), counted when a request
+    gets its first token: computed + local_cache_hit = total."""
+    computed: int = 0  # prefilled here (vLLM's source "local_compute")
+    local_cache_hit: int = 0  # found in the prefix cache (ch04)
+    total: int = 0
+
+    def update(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.computed += num_prompt_tokens - num_cached_tokens
+        self.local_cache_hit += num_cached_tokens
+        self.total += num_prompt_tokens
+
+
+@dataclass
 class FinishedRequestStats:
     """A finished request's figures (vLLM's names), in seconds and tokens."""
     request_id: str
@@ -147,6 +168,7 @@ class FinishedRequestStats:
     inference_time: float  # first step -> last token
     decode_time: float  # first token -> last token
     mean_time_per_output_token: float  # decode_time / (tokens - 1); 0 for one token
+    num_preemptions: int = 0  # times it was preempted (and recomputed)
 
 
 class IterationStats:
@@ -155,7 +177,8 @@ class IterationStats:
 
     def __init__(self, iteration_timestamp: float):
         self.iteration_timestamp = iteration_timestamp
-        self.num_prompt_tokens = 0  # prompt tokens computed this step
+        self.prompt_token_stats = PromptTokenStats()  # prompts whose first token came now
+        self.num_computed_prompt_tokens = 0  # prompt tokens the step computed (ours)
         self.num_generation_tokens = 0
         self.time_to_first_tokens_iter: list[float] = []  # arrival -> first token
         self.inter_token_latencies_iter: list[float] = []  # previous token -> this one
@@ -164,15 +187,22 @@ class IterationStats:
     def __repr__(self) -> str:
         return f"IterationStats({vars(self)})"
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """vLLM's: the whole prompts of the requests whose first token came now."""
+        return self.prompt_token_stats.total
+
     def update_from_output(self, req_stats: RequestStateStats,
-                           first_scheduled_time: float, num_new_tokens: int = 1) -> None:
+                           first_scheduled_time: float, num_new_tokens: int = 1,
+                           num_prompt_tokens: int = 0, num_cached_tokens: int = 0) -> None:
         """One request got new tokens this step: one, or with speculative
         decoding (ch07) up to k + 1, which arrive together (one latency,
         as vLLM counts them). `first_scheduled_time`: the engine's stamp of
         its first step (`Sequence.first_scheduled_time`), kept at its
-        first token."""
+        first token, when its prompt's tokens are counted too."""
         now = self.iteration_timestamp
         if req_stats.num_generation_tokens == 0:
+            self.prompt_token_stats.update(num_prompt_tokens, num_cached_tokens)
             req_stats.first_scheduled_time = first_scheduled_time
             req_stats.first_token_time = now
             self.time_to_first_tokens_iter.append(now - req_stats.arrival_time)
@@ -184,7 +214,8 @@ class IterationStats:
 
     def update_from_finished_request(self, request_id: str, finish_reason: FinishReason,
                                      num_prompt_tokens: int, max_tokens_param: int,
-                                     req_stats: RequestStateStats) -> None:
+                                     req_stats: RequestStateStats,
+                                     num_preemptions: int = 0) -> None:
         """A request finished this step (after its last `update_from_output`).
         One that never got a token has no latencies: nothing is recorded."""
         if req_stats.num_generation_tokens == 0:
@@ -201,7 +232,8 @@ class IterationStats:
             queued_time=scheduled - arrival,
             prefill_time=first - scheduled, inference_time=last - scheduled,
             decode_time=decode_time,
-            mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0))
+            mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0,
+            num_preemptions=num_preemptions))
 
 
 class StatsCollector:
@@ -229,7 +261,8 @@ class StatsCollector:
     # ------------------------------------------------------ fed by step()
     def observe_scheduled(self, batch) -> None:
         """Before the step runs: first admissions (prefix-cache lookups)
-        and the prompt tokens computed now (a recompute counts again)."""
+        and the prompt tokens computed now (a recompute counts again: the
+        step's work, for the tokens-per-step histogram)."""
         now, prompt_tokens = time.monotonic(), 0
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -240,7 +273,6 @@ class StatsCollector:
                     self.totals.prefix_cache_hits += seq.num_cached_tokens
             prompt_tokens += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens)
                                  - start)
-        self.totals.prompt_tokens += prompt_tokens
         self._step_prompt_tokens = prompt_tokens
 
     def observe_sampled(self, batch, sampled: dict) -> None:
@@ -254,7 +286,7 @@ class StatsCollector:
     def new_iteration(self) -> IterationStats:
         """The step's `IterationStats`: every new token is timed now."""
         iteration_stats = IterationStats(time.monotonic())
-        iteration_stats.num_prompt_tokens = self._step_prompt_tokens
+        iteration_stats.num_computed_prompt_tokens = self._step_prompt_tokens
         return iteration_stats
 
     def observe_step(self, iteration_stats: IterationStats, outputs: list) -> None:
@@ -266,7 +298,11 @@ class StatsCollector:
         t = self.totals
         t.num_steps += 1
         t.generation_tokens += iteration_stats.num_generation_tokens
-        t.iteration_tokens.observe(iteration_stats.num_prompt_tokens
+        prompts = iteration_stats.prompt_token_stats
+        t.prompt_tokens += prompts.total
+        t.prompt_tokens_computed += prompts.computed
+        t.prompt_tokens_cached += prompts.local_cache_hit
+        t.iteration_tokens.observe(iteration_stats.num_computed_prompt_tokens
                                    + iteration_stats.num_generation_tokens)
         usage = self.kv_usage()
         t.peak_running = max(t.peak_running, len(self.scheduler.running))
@@ -336,7 +372,11 @@ class StatsCollector:
             "peak_kv_used_bytes": t.peak_used_slots * bytes_per_slot,
             "avg_kv_waste_perc": self.avg_kv_waste_perc(),
             "num_preemptions": self.scheduler.num_preemptions,
+            "waiting_by_reason": {"capacity": len(self.scheduler.waiting), "deferred": 0},
             "prompt_tokens": t.prompt_tokens, "generation_tokens": t.generation_tokens,
+            "prompt_tokens_by_source": {"local_compute": t.prompt_tokens_computed,
+                                        "local_cache_hit": t.prompt_tokens_cached,
+                                        "external_kv_transfer": 0},
             "prefix_cache_queries": t.prefix_cache_queries, "prefix_cache_hits": t.prefix_cache_hits,
             "prefix_cache_queried_blocks": bm.prefix_queries,
             "prefix_cache_hit_blocks": bm.prefix_hits,

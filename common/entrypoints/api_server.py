@@ -12,9 +12,10 @@ serving_engine.py (the only code that talks to the engine).
   completions, `/tokenize`, `/detokenize`, `/version`, `/metrics`
   (Prometheus, vLLM's names), `--api-key` (401), `--max-waiting`
   backpressure (503 with `Retry-After`), `--disable-fastapi-docs`;
-- chapters 07 and 08 run the same `main`, with chapter 07's grammar step
-  (`structured_output_cls`) and their own flags (the table of which
-  chapter adds which flag and field: common/entrypoints/chapters.py).
+- chapters 07, 08 and 09 run the same `main`, with chapter 07's grammar
+  step (`structured_output_cls`) and their own flags (the table of which
+  chapter adds which flag and field: common/entrypoints/chapters.py);
+  chapter 09's engine runs in processes of its own (`build_engine`).
 
 `--live-view` adds the live view at /ui/ (live_view.py) to any of them.
 
@@ -42,7 +43,7 @@ from fastapi.responses import PlainTextResponse, Response
 from common import __version__
 from common.config import config_from_args
 from common.engine.async_llm import AsyncLLM, EngineDeadError
-from common.engine.llm_engine import LLMEngine
+from common.engine.core import EngineCoreSpec
 from common.engine.scheduler import ContinuousScheduler, Scheduler
 from common.entrypoints.chapters import refuse_later_fields
 from common.entrypoints.cli_args import (
@@ -62,6 +63,7 @@ from common.entrypoints.serving_chat import OpenAIServingChat
 from common.entrypoints.serving_completion import OpenAIServingCompletion
 from common.entrypoints.serving_engine import engine_error
 from common.entrypoints.serving_tokenization import OpenAIServingTokenization
+from common.entrypoints.vllm_routes import add_vllm_routes
 
 log = logging.getLogger("llm-course")
 
@@ -81,14 +83,19 @@ def add_engine_routes(app: FastAPI, engine: AsyncLLM, model_name: str) -> None:
 
     @app.get("/health")
     async def health() -> dict:  # on the event loop: no worker thread needed
-        if not engine.alive:
-            raise engine_error(EngineDeadError(f"the engine loop has died: {engine.dead!r}"))
-        return {"status": "ok"}
+        return engine_health(engine)
 
     @app.get("/stats")
     async def stats() -> dict:  # the figures published after the last step: no lock
         await app.state.monitoring.wait()
         return engine.snapshot()
+
+
+def engine_health(engine: AsyncLLM) -> dict:
+    """/health's answer: ok, or 503 `engine_dead`."""
+    if not engine.alive:
+        raise engine_error(EngineDeadError(f"the engine loop has died: {engine.dead!r}"))
+    return {"status": "ok"}
 
 
 def add_live_view_if_asked(app: FastAPI, engine: AsyncLLM, chapter: str,
@@ -125,7 +132,7 @@ def run_chat_server(chapter: str, title: str, scheduler_cls: type[Scheduler],
     parser = server_parser(title, chapter)
     args = parse_server_args(parser, chapter)
     engine_config = dataclasses.replace(config_from_args(args), **config)
-    engine = build_engine(parser, lambda: LLMEngine(engine_config, scheduler_cls=scheduler_cls))
+    engine = build_engine(parser, EngineCoreSpec(engine_config, scheduler_cls), args)
     app = build_engine_chat_app(title, engine, engine_config.model_name, chapter)
     add_live_view_if_asked(app, engine, chapter, args)
     return serve(app, args, engine)
@@ -135,9 +142,11 @@ def run_chat_server(chapter: str, title: str, scheduler_cls: type[Scheduler],
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False,
               metrics: Metrics | None = None, chapter: str = "06",
-              title: str = "Chapter 06: the OpenAI-compatible server") -> FastAPI:
+              title: str = "Chapter 06: the OpenAI-compatible server",
+              load_tracking: bool = False, tokenizer_info: bool = False) -> FastAPI:
     """The OpenAI-compatible app: chapter 05's routes, streaming, and the rest.
-    `chapter`: the fields of later chapters are refused (chapter 06 has no grammars)."""
+    `chapter`: the fields of later chapters are refused (chapter 06 has no grammars).
+    `load_tracking`, `tokenizer_info`: vLLM's flags for /load and /tokenizer_info."""
     metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive,
                                  max_model_len=engine.max_model_len,
                                  cache_config=engine.cache_config_info)
@@ -175,20 +184,26 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     app.post("/tokenize")(tokenization.tokenize)
     app.post("/detokenize")(tokenization.detokenize)
+    add_vllm_routes(app, {ChatCompletionRequest: create_chat_completion,  # /invocations'
+                          CompletionRequest: create_completion},  # order, as vLLM's
+                    lambda: engine_health(engine), load_tracking,
+                    engine.tokenizer if tokenizer_info else None)
     return app
 
 
 def main(chapter: str = "06", title: str = "Chapter 06: the OpenAI-compatible server",
          structured_output_cls: type | None = None) -> int:
-    """Chapters 06-08's main, like `vllm serve`. `structured_output_cls`
+    """Chapters 06-09's main, like `vllm serve`. `structured_output_cls`
     (ch07 on): the engine's grammar step, for `response_format`."""
     parser = api_server_parser(title, chapter)
     args = parse_server_args(parser, chapter)
     config = config_from_args(args)
-    engine = build_engine(parser, lambda: LLMEngine(
-        config, scheduler_cls=ContinuousScheduler, structured_output_cls=structured_output_cls))
+    engine = build_engine(parser, EngineCoreSpec(config, ContinuousScheduler,
+                                                 structured_output_cls), args)
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
-                    args.disable_fastapi_docs, chapter=chapter, title=title)
+                    args.disable_fastapi_docs, chapter=chapter, title=title,
+                    load_tracking=args.enable_server_load_tracking,
+                    tokenizer_info=args.enable_tokenizer_info_endpoint)
     add_live_view_if_asked(app, engine, chapter, args)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)

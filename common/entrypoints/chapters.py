@@ -36,8 +36,10 @@ FLAG_CHAPTERS: dict[str, str] = {
     "--block-size": "04", "--enable-prefix-caching": "04",  # paged blocks, prefix reuse
     "--long-prefill-token-threshold": "05", "--enforce-eager": "05",  # the scheduler
     "--api-key": "06", "--max-waiting": "06", "--disable-fastapi-docs": "06",  # the API
+    "--enable-server-load-tracking": "06", "--enable-tokenizer-info-endpoint": "06",
     "--speculative-config": "07",  # n-gram speculative decoding
     "--quantization": "08", "--tensor-parallel-size": "08",  # the levers
+    "--engine-core": "09", "--data-parallel-size": "09",  # scale out
 }
 
 # The request fields each chapter adds (chapter 01 takes messages,

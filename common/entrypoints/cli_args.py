@@ -3,10 +3,12 @@
 `server_parser` is every chapter's: `--host`, `--port`, the HTTP deadlines
 (common/entrypoints/launcher.py) and the engine flags (common/config.py).
 `api_server_parser` adds chapter 06's `--api-key`, `--max-waiting` and
-`--disable-fastapi-docs`. `parse_server_args` refuses, by name, a flag
-that a later chapter adds (the table is common/entrypoints/chapters.py),
-and `build_engine` turns a flag that does not fit the model
-(`--tensor-parallel-size 2` for 9 heads) into a usage error.
+`--disable-fastapi-docs`; chapter 09's `--data-parallel-size` and
+`--engine-core`. `parse_server_args` refuses, by name, a flag that a
+later chapter adds (the table is common/entrypoints/chapters.py), and
+`build_engine` starts the engine where the flags say (a thread of this
+process, or processes of its own, ch09) and turns a flag that does not
+fit the model (`--tensor-parallel-size 2` for 9 heads) into a usage error.
 
 Left out: vLLM's config files (`--config`), SSL flags, `--uds`.
 """
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable
+from enum import StrEnum
 
 from common.config import ConfigError, add_engine_args, resolve_model_flags
-from common.engine.async_llm import AsyncLLM
-from common.engine.llm_engine import LLMEngine
+from common.engine.async_llm import AsyncLLM, EngineClient
+from common.engine.core import EngineCoreSpec
+from common.engine.core_client import AsyncMPClient
 from common.entrypoints.chapters import (
     FLAG_CHAPTERS,
     hide_later_flags,
@@ -28,6 +31,12 @@ from common.entrypoints.chapters import (
 from common.entrypoints.launcher import add_http_args
 
 DEFAULT_MAX_WAITING = 256
+
+
+class EngineCoreMode(StrEnum):
+    """`--engine-core` (ch09): where the engine runs."""
+    PROCESS = "process"  # processes of its own, over ZeroMQ (vLLM v1's default)
+    IN_PROCESS = "in-process"  # a thread of the API server's process (ch03-08)
 
 
 def server_parser(description: str, chapter: str = "08",
@@ -61,7 +70,25 @@ def api_server_parser(description: str = "Chapter 06: the OpenAI-compatible serv
                    help="most requests waiting for the scheduler; more get HTTP 503")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts the requests in flight (vLLM's flag)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="GET /tokenizer_info: the tokenizer's settings and chat template "
+                        "(vLLM's flag)")
+    if chapter >= "09":
+        add_scale_out_args(p)
     return p
+
+
+def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
+    """Chapter 09's flags: the engine in processes of its own, N of them."""
+    parser.add_argument("--engine-core", type=EngineCoreMode, default=EngineCoreMode.PROCESS,
+                        choices=list(EngineCoreMode),
+                        help="where the engine runs: in processes of its own over ZeroMQ "
+                             "(vLLM v1's way), or on a thread of the server (ch03-08)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine processes, each with the whole model and its own KV "
+                             "cache, pinned to its share of the cores (vLLM's flag)")
 
 
 def parse_server_args(parser: argparse.ArgumentParser, chapter: str,
@@ -79,15 +106,34 @@ def parse_server_args(parser: argparse.ArgumentParser, chapter: str,
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     resolve_model_flags(parser, args)
     refuse_later_flags(parser, args, chapter)
+    check_scale_out_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return args
 
 
-def build_engine(parser: argparse.ArgumentParser,
-                 factory: Callable[[], LLMEngine]) -> AsyncLLM:
-    """`AsyncLLM.build`, where flags that do not fit the model
-    (`--tensor-parallel-size 2` for 9 heads, ch08) exit as a usage error."""
+def check_scale_out_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """ch09: the flags that cannot go together, as usage errors."""
+    mode = getattr(args, "engine_core", EngineCoreMode.IN_PROCESS)
+    if getattr(args, "data_parallel_size", 1) < 1:
+        parser.error("--data-parallel-size must be at least 1")
+    if mode is EngineCoreMode.IN_PROCESS and getattr(args, "data_parallel_size", 1) > 1:
+        parser.error("--data-parallel-size > 1 runs engines in processes of their own: "
+                     "leave out --engine-core in-process")
+    if mode is EngineCoreMode.PROCESS and args.live_view:
+        parser.error("--live-view watches an engine in the server's own process: "
+                     "add --engine-core in-process")
+
+
+def build_engine(parser: argparse.ArgumentParser, spec: EngineCoreSpec,
+                 args: argparse.Namespace) -> EngineClient:
+    """The engine where the flags put it: `AsyncLLM` on a thread of this
+    process (ch03-08, and ch09's `--engine-core in-process`), or
+    `AsyncMPClient` with `--data-parallel-size` processes (ch09). Flags
+    that do not fit the model (`--tensor-parallel-size 2` for 9 heads,
+    ch08) exit as a usage error."""
     try:
-        return AsyncLLM.build(factory)
+        if getattr(args, "engine_core", EngineCoreMode.IN_PROCESS) is EngineCoreMode.PROCESS:
+            return AsyncMPClient.start(spec, args.data_parallel_size)
+        return AsyncLLM.build(spec.build)
     except ConfigError as exc:
         parser.error(str(exc))

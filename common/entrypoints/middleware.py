@@ -32,8 +32,8 @@ log = logging.getLogger("llm-course")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8192-token prompt is ~40 KB of JSON
 # What --api-key leaves open, as vLLM does: load balancers, Prometheus, the
 # docs. Every other route, `/stats` and any route added later, needs the key.
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
-                          "/redoc", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version", "/docs",
+                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 LIVE_VIEW_STREAM = "/ui/events"  # the live view's data; its page (/ui/...) is public
 
 

@@ -1,36 +1,28 @@
 """What a client sends: the OpenAI request models, validated as strictly as OpenAI (ch01).
 
 - pydantic models for `/v1/chat/completions` (ch01) and `/v1/completions`
-  (ch06), shaped like OpenAI's and vLLM's (`/tokenize`'s are beside their
-  serving code, common/entrypoints/serving_tokenization.py);
-- strict types: `"max_tokens": "8"` or `true` is a 400, not 8 or 1; a seed
-  fits in 64 bits; text is valid Unicode (a lone UTF-16 surrogate such as
-  "\\ud800" is refused here, before a tokenizer fails on it);
-  `stream_options` needs `"stream": true`; a stop string is never empty;
-- OpenAI and vLLM fields this server does not implement (tools, `echo`,
-  `suffix`, `best_of`, audio...) are refused by name, never silently
-  ignored; unknown fields are ignored, as OpenAI and vLLM do.
-
-The strict base (`StrictModel`, `Text`) is common/entrypoints/strict.py;
-the structured-output fields (ch07) are common/entrypoints/response_format.py.
-A refusal here becomes a 400 naming its `param` (common/entrypoints/middleware.py).
-What needs the model (token ids inside the vocabulary, the context length)
-is checked by the serving code, which knows the tokenizer. What the server
-answers is in common/entrypoints/responses.py.
+  (ch06), shaped like OpenAI's and vLLM's (`/tokenize`'s: serving_tokenization.py);
+- strict types (strict.py): `"max_tokens": "8"` or `true` is a 400, not 8
+  or 1; a seed fits in 64 bits; text is valid Unicode; a stop string is
+  never empty; `stream_options` needs `"stream": true`;
+- fields this server does not implement (tools, completions' `echo`,
+  `suffix`, beam search, audio...) are refused by name (a 400 naming its
+  `param`), never silently ignored; unknown fields are ignored, as OpenAI
+  and vLLM do. What needs the model (token ids in the vocabulary, the
+  context length) is checked by the serving code; answers: responses.py.
 
 ch07, structured outputs: `response_format` (OpenAI's `text`,
 `json_object`, `json_schema`) and vLLM's `structured_outputs` extra
 (`json`, `json_object`, `regex`, `choice`, `grammar`) become one
 `StructuredOutputsParams` (`SamplingFields.structured_outputs_params`).
 
-Left out: tools/function calling, audio and images, the Responses API,
-vLLM's structural tags and whitespace options.
+Left out: tools, audio and images, the Responses API, vLLM's structural tags.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from common.entrypoints.response_format import ResponseFormat, StructuredOutputsRequest
 from common.entrypoints.strict import INT64_MAX, INT64_MIN, StrictModel, Text, unsupported
@@ -44,7 +36,7 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Text  # OpenAI's (system, user, assistant, ...) or any other: the chat template takes it
     content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]  # required, as OpenAI
 
     def text(self) -> str:
@@ -57,36 +49,9 @@ class ChatMessage(StrictModel):
         return {"role": self.role, "content": self.text()}
 
 
-# vLLM's request extras that this server does not implement: refused with a
-# 400 that names them (when set to anything but their default), never ignored.
-REFUSED_VLLM_FIELDS = {
-    "prompt_logprobs": "prompt_logprobs (the prompt's own logprobs) is not supported.",
-    "use_beam_search": "Beam search is not supported.",
-    "echo": "echo (the prompt repeated before the answer) is not supported.",
-    "add_generation_prompt": "add_generation_prompt false is not supported: the chat "
-                             "template always opens the assistant's turn.",
-    "continue_final_message": "continue_final_message is not supported.",
-    "continuous_usage_stats": "stream_options.continuous_usage_stats (usage in every chunk) "
-                              "is not supported; include_usage sends it once, at the end.",
-}
-
-
-def refuse_unless_default(model: type[BaseModel], value, info: ValidationInfo):
-    """A field of REFUSED_VLLM_FIELDS: the model's default for it passes,
-    anything else is a 400 naming it."""
-    if value != model.model_fields[info.field_name].default:
-        raise unsupported(REFUSED_VLLM_FIELDS[info.field_name])
-    return value
-
-
 class StreamOptions(StrictModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: refused (REFUSED_VLLM_FIELDS)
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _refused(cls, value, info: ValidationInfo):
-        return refuse_unless_default(cls, value, info)
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
 class SamplingFields(StrictModel):
@@ -112,16 +77,27 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
-    prompt_logprobs: int | None = None  # refused (REFUSED_VLLM_FIELDS)
-    use_beam_search: bool = False  # refused
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, this many top (-1: all)
+    use_beam_search: bool = False  # vLLM's, refused: no beam search here
     # ch07: structured outputs, OpenAI's way or vLLM's (not both)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
-    @field_validator("prompt_logprobs", "use_beam_search")
+    @field_validator("use_beam_search")
     @classmethod
-    def _refused_vllm_extras(cls, value, info: ValidationInfo):
-        return refuse_unless_default(cls, value, info)
+    def _no_beam_search(cls, value):
+        if value:
+            raise unsupported("Beam search is not supported.")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value, info: ValidationInfo):  # vLLM's rules and words
+        if info.data.get("stream") and value is not None and (value > 0 or value == -1):
+            raise unsupported("`prompt_logprobs` are not available when `stream=True`.")
+        if value is not None and value < -1:
+            raise unsupported("`prompt_logprobs` must be a positive value or -1.")
+        return value
 
     @field_validator("response_format")
     @classmethod
@@ -164,12 +140,22 @@ class SamplingFields(StrictModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value):
-        for key in value or {}:
-            # ASCII digits only: str.isdigit() also takes "²", which int() refuses,
-            # and a few digits only: int() refuses 4,301 of them.
-            if not (key.isascii() and key.isdigit() and len(key) <= 9):
-                raise unsupported(f"logit_bias keys are token ids, got {key[:32]!r}.")
+        # ASCII digits, a few: "²".isdigit() is true, int() refuses 4,301 digits.
+        # Every bad key named at once (vLLM's words), not only the first.
+        bad = [key[:32] for key in value or {}
+               if not (key.isascii() and key.isdigit() and len(key) <= 9)]
+        if bad:
+            raise unsupported(f"logit_bias contains key(s) that cannot be converted to "
+                              f"integer token IDs: {bad!r}")
         return value
+
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, the usage in every chunk too): vLLM's
+        rule, `continuous_usage_stats` counts only beside `include_usage`."""
+        options = self.stream_options
+        if options is None:
+            return False, False
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -178,6 +164,9 @@ class SamplingFields(StrictModel):
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
 
 
 # OpenAI chat fields that this server refuses rather than ignores, and why.
@@ -197,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None  # 0..MAX_LOGPROBS, or -1: the whole vocabulary (vLLM's)
     # OpenAI fields this server refuses rather than ignores:
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
@@ -208,15 +197,19 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict | None = None
     web_search_options: dict | None = None
     reasoning_effort: str | None = None
-    # vLLM's chat extras this server refuses unless left at their defaults:
+    # vLLM's: the last (assistant's) message before the answer; the assistant's
+    # turn opened by the template, or instead the last message left open
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    @field_validator("echo", "add_generation_prompt", "continue_final_message")
+    @field_validator("continue_final_message")
     @classmethod
-    def _chat_template_extras(cls, value, info: ValidationInfo):
-        return refuse_unless_default(cls, value, info)
+    def _not_both(cls, value, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt"):
+            raise unsupported("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.")  # vLLM's words
+        return value
 
     @field_validator(*REFUSED_CHAT_FIELDS)
     @classmethod
@@ -235,8 +228,10 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value, info: ValidationInfo):
-        if value and not info.data.get("logprobs"):
-            raise unsupported("top_logprobs requires logprobs to be true.")
+        if value is not None and value < -1:
+            raise unsupported("`top_logprobs` must be a positive value or -1.")
+        if value and not info.data.get("logprobs"):  # -1 or > 0
+            raise unsupported("when using `top_logprobs`, `logprobs` must be set to true.")
         return value
 
     def requested_max_tokens(self) -> int | None:
@@ -249,6 +244,12 @@ class ChatCompletionRequest(SamplingFields):
         """Top logprobs per token, or None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """vLLM's rule: `echo` without prompt_logprobs asks for top_logprobs of them."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
 
 # ch06: `prompt` is a string, several strings, token ids, or several lists of ids.
 PromptInput = Union[Text, list[Text], list[Annotated[int, Field(ge=0)]],
@@ -257,10 +258,17 @@ PromptInput = Union[Text, list[Text], list[Annotated[int, Field(ge=0)]],
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = None  # 0..MAX_LOGPROBS, or -1: the whole vocabulary (vLLM's)
     best_of: int | None = Field(default=None, ge=1)
     echo: bool = False
     suffix: Text | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_or_minus_one(cls, value):
+        if value is not None and value < -1:
+            raise unsupported("`logprobs` must be a positive value or -1.")
+        return value
 
     @field_validator("best_of")
     @classmethod

@@ -5,8 +5,8 @@ validation: whole answers, streamed chunks (`ChatCompletionChunk`; a text
 completion's chunk is a `CompletionResponse`), logprobs in the chat and
 the text-completion shapes, usage, the model list, and OpenAI's error
 envelope `{"error": {"message", "type", "param", "code"}}` (sent by
-common/entrypoints/middleware.py). vLLM's `return_token_ids` fields appear
-on the wire only when asked for.
+common/entrypoints/middleware.py). vLLM's `return_token_ids` fields and
+its `prompt_logprobs` appear on the wire only when asked for.
 
 Left out: tool calls, refusals and audio in a message, usage details
 (cached and reasoning tokens), the Responses API.
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from pydantic import BaseModel, Field
 
 from common import __version__
+from common.layers.sampler import SampledToken
 
 # OpenAI's (and vLLM's) name for the build that answered: which server, which version.
 SYSTEM_FINGERPRINT = f"llm-course-{__version__}"
@@ -56,6 +57,33 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's entry in a prompt position's logprobs."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token {token id: its entry}, the first null
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs(tokens: list[SampledToken | None] | None,
+                    token_text: Callable[[int], str]) -> PromptLogprobs | None:
+    """The engine's prompt logprobs in vLLM's shape: each position's own
+    token first, then its top ones (ranked 1, 2, ...); -inf as -9999.0."""
+    if tokens is None:
+        return None
+
+    def position(token: SampledToken) -> dict[int, PromptLogprob]:
+        entries = [(token.token_id, token.logprob, token.rank)]  # (id, logprob, rank)
+        entries += [(i, lp, rank) for rank, (i, lp) in enumerate(token.top_logprobs, start=1)]
+        return {i: PromptLogprob(logprob=max(lp, -9999.0), rank=rank, decoded_token=token_text(i))
+                for i, lp, rank in entries}
+
+    return [None if token is None else position(token) for token in tokens]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -73,6 +101,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str = SYSTEM_FINGERPRINT
     prompt_token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = asked_only()  # vLLM's (ch06; also with echo)
 
 
 # ch06: streaming chunks and text completions.
@@ -109,6 +138,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids (a chunk's in a stream)
     prompt_token_ids: list[int] | None = asked_only()  # (a stream: in each choice's first chunk)
+    prompt_logprobs: PromptLogprobs | None = asked_only()  # vLLM's (never in a stream)
 
 
 class CompletionResponse(BaseModel):

@@ -1,4 +1,4 @@
-"""The router (ch09, in progress): one OpenAI-compatible front for N replicas.
+"""The router (ch09): one OpenAI-compatible front for N replicas.
 
     python -m common.entrypoints.router --port 8100 --policy prefix-aware \\
         --replica http://127.0.0.1:8101 --replica http://127.0.0.1:8102
@@ -11,19 +11,27 @@ For each `/v1/chat/completions` or `/v1/completions` request the router:
 2. asks the policy (routing.py) for a replica among those up and not yet
    tried for this request;
 3. sends the request there. A replica that fails before anything reached
-   the client (connection refused or dropped, a 5xx, no answer or no first
-   chunk within `--replica-timeout-s`: a crashed or stopped process) is
-   marked down and the request goes to another one (nothing reached the
-   client: nothing lost or repeated). A 4xx is passed back, never retried;
+   the client (connection refused or dropped, a 5xx, or marked down by
+   the poller while the request waits: a crashed or stopped process) is
+   marked down and the request goes to another one: nothing had reached
+   the client, so nothing is lost or repeated. A 4xx is passed back,
+   never retried;
 4. passes the answer back; a stream as it comes. A replica lost in the
-   middle of a stream ends it with an error event and `[DONE]`: the tokens
-   already sent cannot be taken back, so it is not retried.
+   middle of a stream (dropped, or marked down) ends it with an error
+   event and `[DONE]`: the tokens sent cannot be taken back.
 
-A poller reads each replica's `/stats` every `--poll-interval-s`: its load
-for the least-loaded policy, and whether it answers (down, then up again
-when it does: a restarted replica gets traffic again). `/health` says which
-replica is up (200 while one is, 503 when none), `/router/stats` counts the
-requests each replica served and the retries.
+A poller per replica reads its `/stats` every `--poll-interval-s`: its
+load for the least-loaded policy, and whether it answers. No answer within
+`--replica-timeout-s` (a stopped process: SIGSTOP), a refused connection
+or a dead engine marks it down, and the requests waiting on it go
+elsewhere; it is up again when it answers (a restarted replica gets
+traffic again). A long answer is never cut by a timeout: a replica busy
+generating still answers `/stats`. `/health` says which replica is up
+(200 while one is, 503 when none), `/router/stats` counts the requests
+each replica served and the retries.
+
+The replicas' side (polling, sending, retrying, relaying) is `Router`, in
+router_core.py; the policies are routing.py's.
 
 Left out: authentication (each replica checks its own `--api-key`),
 routing by the replicas' KV events, passing a client's cancellation on.
@@ -33,22 +41,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from common.entrypoints.middleware import APIError, new_app
+from common.entrypoints.router_core import PromptIds, Router
 from common.entrypoints.routing import (
     LeastLoadedPolicy,
-    NoReplicaError,
     PrefixAwarePolicy,
     Replica,
-    ReplicaLoad,
     RoundRobinPolicy,
     RoutingPolicy,
 )
@@ -61,143 +66,6 @@ POLICIES: dict[str, Callable[[int, int], RoutingPolicy]] = {
     "least-loaded": lambda block_size, prefix_blocks: LeastLoadedPolicy(),
     "prefix-aware": lambda block_size, prefix_blocks: PrefixAwarePolicy(block_size, prefix_blocks),
 }
-
-PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's token ids
-
-
-class ReplicaFailed(Exception):
-    """The replica failed before anything reached the client: try another."""
-
-
-def passed_back(status: int, content: bytes, headers: httpx.Headers) -> Response:
-    """A replica's answer for the client; a 5xx: try elsewhere (step 3 above)."""
-    if status >= 500:
-        raise ReplicaFailed(f"answered {status}")
-    return Response(content, status_code=status, media_type=headers.get("content-type"))
-
-
-@dataclass
-class RouterStats:
-    served: dict[str, int] = field(default_factory=dict)  # replica -> requests answered
-    retries: int = 0  # requests sent again after a replica failed them
-    lost_mid_stream: int = 0  # streams ended by an error event
-
-
-@dataclass
-class Router:
-    """The replicas, the policy, and one HTTP client to reach them."""
-    replicas: list[Replica]
-    policy: RoutingPolicy
-    prompt_ids: PromptIds
-    replica_timeout_s: float = 30.0
-    poll_interval_s: float = 0.5
-    stats: RouterStats = field(default_factory=RouterStats)
-    client: httpx.AsyncClient | None = None
-
-    # -- the poller -----------------------------------------------------------
-    async def poll_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self.poll(r) for r in self.replicas))
-            await asyncio.sleep(self.poll_interval_s)
-
-    async def poll(self, replica: Replica) -> None:
-        try:
-            answer = await self.client.get(f"{replica.url}/stats", timeout=2.0)
-            answer.raise_for_status()
-            stats = answer.json()
-        except (httpx.HTTPError, ValueError):
-            self.mark_down(replica, "does not answer /stats")
-            return
-        if stats.get("engine_alive") is False:
-            self.mark_down(replica, "its engine is dead")
-            return
-        if not replica.healthy:
-            log.info("replica %s is up again", replica.name)
-        replica.healthy = True
-        replica.load = ReplicaLoad(num_waiting=int(stats.get("waiting", 0)),
-                                   num_running=int(stats.get("running", 0)),
-                                   kv_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)))
-
-    def mark_down(self, replica: Replica, why: str) -> None:
-        if replica.healthy:
-            log.warning("replica %s is down: %s", replica.name, why)
-        replica.healthy = False
-
-    # -- one request ----------------------------------------------------------
-    def pick(self, prompt_ids: list[int], tried: set[str]) -> Replica:
-        candidates = [r for r in self.replicas if r.name not in tried]
-        try:
-            return self.policy.choose(prompt_ids, candidates)
-        except NoReplicaError:
-            raise APIError(503, f"no replica can take the request: {len(tried)} tried, "
-                                f"{sum(r.healthy for r in self.replicas)} of "
-                                f"{len(self.replicas)} up", type="service_unavailable") from None
-
-    async def route(self, path: str, body: dict) -> Response:
-        try:
-            prompt_ids = self.prompt_ids(path, body)
-        except Exception:  # noqa: BLE001 - a bad prompt: the replica answers the 400
-            prompt_ids = []
-        tried: set[str] = set()
-        while True:
-            replica = self.pick(prompt_ids, tried)
-            tried.add(replica.name)
-            try:
-                response = await (self.send_stream(replica, path, body) if body.get("stream")
-                                  else self.send(replica, path, body))
-            except ReplicaFailed as failure:
-                self.mark_down(replica, str(failure))
-                self.stats.retries += 1
-                continue
-            self.stats.served[replica.name] = self.stats.served.get(replica.name, 0) + 1
-            return response
-
-    async def send(self, replica: Replica, path: str, body: dict) -> Response:
-        try:
-            answer = await self.client.post(f"{replica.url}{path}", json=body,
-                                            timeout=self.replica_timeout_s)
-        except httpx.HTTPError as exc:
-            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
-        return passed_back(answer.status_code, answer.content, answer.headers)
-
-    async def send_stream(self, replica: Replica, path: str, body: dict) -> Response:
-        """Wait for the first chunk before answering the client: until then
-        the request can still go elsewhere."""
-        request = self.client.build_request("POST", f"{replica.url}{path}", json=body,
-                                            timeout=self.replica_timeout_s)
-        try:
-            answer = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
-        if answer.status_code != 200:
-            content = await answer.aread()
-            await answer.aclose()
-            return passed_back(answer.status_code, content, answer.headers)
-        chunks = answer.aiter_raw()
-        try:
-            first = await anext(chunks)
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
-            await answer.aclose()
-            raise ReplicaFailed(f"no first chunk: {type(exc).__name__}") from None
-        return StreamingResponse(self.relay(replica, answer, first, chunks),
-                                 media_type="text/event-stream")
-
-    async def relay(self, replica: Replica, answer: httpx.Response, first: bytes,
-                    chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError as exc:
-            self.mark_down(replica, f"lost mid-stream: {type(exc).__name__}")
-            self.stats.lost_mid_stream += 1
-            error = APIError(502, f"replica {replica.name} was lost in the middle of the "
-                                  "stream; the tokens above are all it sent",
-                             type="bad_gateway").body()
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            await answer.aclose()
-
 
 def build_router_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -280,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-blocks", type=int, default=4,
                         help="prefix-aware: how many first blocks name a prefix (a shared "
                              "system prompt's length; longer: conversations spread more)")
-    parser.add_argument("--replica-timeout-s", type=float, default=30.0,
-                        help="no answer (or first chunk) within this: try another replica")
+    parser.add_argument("--replica-timeout-s", type=float, default=10.0,
+                        help="a replica that does not answer /stats (or a connection) "
+                             "within this is down: its waiting requests go elsewhere")
     parser.add_argument("--poll-interval-s", type=float, default=0.5)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)

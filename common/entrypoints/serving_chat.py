@@ -8,7 +8,9 @@ One request, top to bottom (`create_chat_completion`):
     -> whole answers: one final output per choice -> one JSON response
     -> or (ch06, `stream: true`) SSE: a role chunk per choice, then a chunk
        per delta as the engine makes it, a finish chunk per choice, the
-       usage chunk if asked (`stream_options.include_usage`), `[DONE]`.
+       usage chunk if asked (`stream_options.include_usage`), `[DONE]`;
+       with vLLM's `continuous_usage_stats` too, every chunk carries its
+       choice's usage so far (as vLLM counts it: that choice's tokens).
 
 Chapters 03-05 answer whole; their route refuses `stream: true` (api_server.py).
 
@@ -16,8 +18,9 @@ ch07: `response_format` (JSON object, JSON schema) and vLLM's
 `structured_outputs` constrain the answer (common/engine/structured_output.py);
 the grammar is compiled before the request is queued.
 
-Left out: tool calls, `echo`, per-chunk usage (`continuous_usage_stats`),
-`client.beta.chat.completions.parse`'s `refusal` (always null here).
+vLLM's extras: `echo`, `add_generation_prompt`, `continue_final_message`.
+
+Left out: tool calls, `client.beta.chat.completions.parse`'s `refusal` (always null here).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from common.entrypoints.responses import (
     TopLogprob,
     Usage,
     new_id,
+    prompt_logprobs,
     sse,
 )
 from common.entrypoints.serving_engine import (
@@ -64,24 +68,37 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:  # ch06
             return event_stream(self.chat_stream(request_id, prompt, req, streams), streams)
         answers = await self.answers(request, streams, req.n)
+        choices = [answer.outputs[0] for answer in answers]
         return ChatCompletionResponse(
             id=request_id, created=int(time.time()), model=self.model_name,
-            choices=[ChatChoice(index=i, message=ResponseMessage(content=a.text),
+            choices=[ChatChoice(index=i, message=ResponseMessage(content=self.echoed(req) + a.text),
                                 finish_reason=a.finish_reason,
                                 logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None,
                                 token_ids=a.token_ids if req.return_token_ids else None)
-                     for i, a in enumerate(answers)],
-            usage=usage([prompt], sum(a.num_output_tokens for a in answers)),
-            prompt_token_ids=prompt if req.return_token_ids else None)
+                     for i, a in enumerate(choices)],
+            usage=usage([prompt], sum(a.num_output_tokens for a in choices)),
+            prompt_token_ids=prompt if req.return_token_ids else None,
+            # vLLM's: the prompt's logprobs (the choices share the prompt: the first's)
+            prompt_logprobs=prompt_logprobs(answers[0].prompt_logprobs, self.token_text))
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template (in a worker thread)."""
-        return apply_chat_template(self.tokenizer, req.message_dicts())
+        return apply_chat_template(self.tokenizer, req.message_dicts(),
+                                   req.add_generation_prompt, req.continue_final_message)
+
+    @staticmethod
+    def echoed(req: ChatCompletionRequest) -> str:
+        """vLLM's `echo`: the last message, if it is the assistant's, comes
+        first in the answer (the text the model went on from)."""
+        last = req.messages[-1]
+        return last.text() if req.echo and last.role == "assistant" else ""
 
     # ch06: Server-Sent Events, a chunk per delta.
     async def chat_stream(self, request_id: str, prompt: list[int], req: ChatCompletionRequest,
                           streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
+        include_usage, continuous_usage = req.usage_in_stream()
+        generated = [0] * len(streams)  # each choice's tokens so far
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None,
                   prompt_token_ids: list[int] | None = None) -> str:
@@ -89,22 +106,29 @@ class OpenAIServingChat(OpenAIServing):
                                            model=self.model_name, choices=choices, usage=usage,
                                            prompt_token_ids=prompt_token_ids))
 
+        def so_far(i: int) -> Usage | None:  # vLLM's continuous_usage_stats
+            return usage([prompt], generated[i]) if continuous_usage else None
+
         for i in range(len(streams)):
             yield chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})],
-                        prompt_token_ids=prompt if req.return_token_ids and i == 0 else None)
-        completion_tokens = 0
-        async for i, out in self.outputs(streams, req.n):  # each output is a delta
+                        so_far(i), prompt if req.return_token_ids and i == 0 else None)
+            if self.echoed(req):  # vLLM's echo: the last message, once per choice
+                yield chunk([ChunkChoice(index=i, delta={"content": self.echoed(req)})],
+                            so_far(i))
+        async for i, answer in self.outputs(streams, req.n):  # each output is a delta
+            out = answer.outputs[0]
+            generated[i] = out.num_output_tokens
             new_logprobs = out.logprobs if req.logprobs else []
             if out.text or new_logprobs or (req.return_token_ids and out.token_ids):
                 yield chunk([ChunkChoice(
                     index=i, delta={"content": out.text},
                     logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None,
-                    token_ids=out.token_ids if req.return_token_ids else None)])
+                    token_ids=out.token_ids if req.return_token_ids else None)], so_far(i))
             if out.finished:
-                completion_tokens += out.num_output_tokens
-                yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)])
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage([prompt], completion_tokens))
+                yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)],
+                            so_far(i))
+        if include_usage:
+            yield chunk([], usage([prompt], sum(generated)))
 
     def chat_logprobs(self, tokens: list[SampledToken]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> dict:

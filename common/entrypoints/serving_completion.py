@@ -15,6 +15,10 @@ Logprobs in OpenAI's text-completion shape: tokens, their logprobs, the
 top logprobs as {token: logprob} (the sampled token included), and each
 token's character offset in the choice's text.
 
+vLLM's `prompt_logprobs` (ch06): each prompt token's logprob, rank and
+top ones, from the prefill (the engine's `SamplingParams.prompt_logprobs`):
+their mean, negated and exponentiated, is the text's perplexity.
+
 Left out: `echo`, `suffix`, `best_of` > n.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from common.entrypoints.responses import (
     CompletionResponse,
     Usage,
     new_id,
+    prompt_logprobs,
     sse,
 )
 from common.entrypoints.serving_engine import (
@@ -43,7 +48,7 @@ from common.entrypoints.serving_engine import (
     usage,
 )
 from common.layers.sampler import SampledToken
-from common.outputs import CompletionOutput
+from common.outputs import RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -63,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, created=int(time.time()), model=self.model_name,
             choices=[self.completion_choice(i, a, prompts[i // req.n], req)
                      for i, a in enumerate(answers)],
-            usage=usage(prompts, sum(a.num_output_tokens for a in answers)))
+            usage=usage(prompts, sum(a.outputs[0].num_output_tokens for a in answers)))
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """A prompt, several prompts, token ids or several lists of ids
@@ -72,34 +77,40 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]  # one prompt
         if not prompt or any(len(p) == 0 for p in prompt):
-            raise APIError(400, "The prompt must not be empty.", param="prompt")
+            raise APIError(400, "Either prompt or prompt_embeds must be provided and "
+                                "non-empty.", param="prompt")  # vLLM's words
         return [self.encode(p) if isinstance(p, str) else self.check_token_ids(p, "prompt")
                 for p in prompt]
 
-    def completion_choice(self, index: int, answer: CompletionOutput, prompt: list[int],
+    def completion_choice(self, index: int, answer: RequestOutput, prompt: list[int],
                           req: CompletionRequest) -> CompletionChoice:
-        logprobs = (None if req.logprobs is None
-                    else self.completion_logprobs(answer.logprobs, 0))
+        out = answer.outputs[0]
+        logprobs = None if req.logprobs is None else self.completion_logprobs(out.logprobs, 0)
         ids = req.return_token_ids
-        return CompletionChoice(index=index, text=answer.text, logprobs=logprobs,
-                                finish_reason=answer.finish_reason,
-                                token_ids=answer.token_ids if ids else None,
-                                prompt_token_ids=prompt if ids else None)
+        return CompletionChoice(index=index, text=out.text, logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                token_ids=out.token_ids if ids else None,
+                                prompt_token_ids=prompt if ids else None,
+                                prompt_logprobs=prompt_logprobs(answer.prompt_logprobs,
+                                                                self.token_text))
 
     async def completion_stream(self, request_id: str, prompts: list[list[int]],
                                 req: CompletionRequest,
                                 streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
+        include_usage, continuous_usage = req.usage_in_stream()
+        generated = [0] * len(streams)  # each choice's tokens so far
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             return sse(CompletionResponse(id=request_id, created=created,
                                           model=self.model_name, choices=choices, usage=usage))
 
-        completion_tokens = 0
         token_chars = [0] * len(streams)  # the text of the tokens so far, per choice (text_offset)
         first = [True] * len(streams)  # prompt_token_ids go in each choice's first chunk
         ids = req.return_token_ids
-        async for i, out in self.outputs(streams, req.n):  # each output is a delta
+        async for i, answer in self.outputs(streams, req.n):  # each output is a delta
+            out = answer.outputs[0]
+            generated[i] = out.num_output_tokens
             new_logprobs = out.logprobs if req.logprobs is not None else []
             if out.text or new_logprobs or out.finished or (ids and out.token_ids):
                 logprobs = (self.completion_logprobs(new_logprobs, token_chars[i])
@@ -111,11 +122,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
                                               finish_reason=out.finish_reason,
                                               token_ids=out.token_ids if ids else None,
-                                              prompt_token_ids=prompt)])
-            if out.finished:
-                completion_tokens += out.num_output_tokens
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage(prompts, completion_tokens))
+                                              prompt_token_ids=prompt)],
+                            # vLLM's continuous_usage_stats: this choice's usage so far
+                            usage([prompts[i // req.n]], generated[i]) if continuous_usage
+                            else None)
+        if include_usage:
+            yield chunk([], usage(prompts, sum(generated)))
 
     def completion_logprobs(self, tokens: list[SampledToken], offset: int) -> CompletionLogprobs:
         """`offset`: characters of this choice's tokens before these ones (their

@@ -4,22 +4,19 @@
 to the engine (`AsyncLLM`). For every request it
 
 1. checks what needs the model, once, before queueing anything: the model
-   name (404), token ids inside the vocabulary, the context length and the
-   cache size (400 naming the field), the queue (ch06: `--max-waiting`, 503),
-   a structured output's grammar (ch07, compiled in a worker thread);
+   name (404), token ids in the vocabulary, the context and cache sizes
+   (400 naming the field), the queue (ch06: `--max-waiting`, 503), a
+   structured output's grammar (ch07, compiled in a worker thread);
 2. queues one engine request per choice: choice k is sample k % n of
    prompt k // n; sample s of a seeded request gets seed + s, so the n
    choices differ yet replay the same;
 3. merges the choices' outputs as they come (`outputs`: deltas, for a
-   stream) or collects whole answers (`answers`: the final output only,
-   vLLM's FINAL_ONLY); a client that hangs up has its requests aborted,
-   and their KV blocks freed, at the next engine step. The latencies
-   (`/metrics`) are timed by the engine itself, whatever the kind.
+   stream) or collects whole answers (`answers`: vLLM's FINAL_ONLY); a
+   client that hangs up has its requests aborted, and their KV blocks
+   freed, at the next engine step. The engine times the latencies itself.
 
-One endpoint per file, each readable top to bottom: serving_chat.py (ch03;
-streams ch06), serving_completion.py, serving_tokenization.py (ch06).
-Chapter 06 composes this core with vLLM's defaults: `default_max_tokens=None`
-(fill the context), `max_waiting` (backpressure), `metrics` (`n`).
+One endpoint per file: serving_chat.py (ch03; streams ch06), serving_completion.py and
+serving_tokenization.py (ch06). Chapter 06 adds backpressure, metrics, prompt logprobs.
 
 Left out: beam search, LoRA adapters, priorities, several models.
 """
@@ -39,13 +36,14 @@ from common.entrypoints.metrics import Metrics
 from common.entrypoints.middleware import APIError, internal_error
 from common.entrypoints.protocol import SamplingFields
 from common.entrypoints.responses import Usage, sse
-from common.outputs import CompletionOutput
+from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("llm-course")
 
 DISCONNECT_POLL_S = 0.25
 RETRY_AFTER_S = 1
+MAX_LOGPROBS = 20  # top logprobs per token at most: vLLM's default --max-logprobs
 
 
 # ------------------------------------------------ checks every chapter shares
@@ -153,11 +151,20 @@ class OpenAIServing:
 
     # -------------------------------------------------------- validation
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        bad = [i for i in ids if not 0 <= i < self.engine.vocab_size]
-        if bad:
-            raise APIError(400, f"Token id {bad[0]} is out of range [0, "
-                           f"{self.engine.vocab_size}).", param=param)
+        """vLLM's check and words: the lowest id if negative, else the highest."""
+        if ids and (min(ids) < 0 or max(ids) >= self.engine.vocab_size):
+            worst = min(ids) if min(ids) < 0 else max(ids)
+            raise APIError(400, f"Token id {worst} is out of vocabulary", param=param)
         return ids
+
+    def logprobs_count(self, count: int | None, kind: str, param: str) -> int | None:
+        """Top logprobs per token, `kind` "sample" (the answer's) or "prompt";
+        -1 (the vocabulary) or > 20: vLLM's 400."""
+        count = self.engine.vocab_size if count == -1 else count
+        if count is not None and count > MAX_LOGPROBS:
+            raise APIError(400, f"Requested {kind} logprobs of {count}, which is greater "
+                                f"than max allowed: {MAX_LOGPROBS}", param=param)
+        return count
 
     def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
                         param: str) -> SamplingParams:
@@ -175,7 +182,10 @@ class OpenAIServing:
             logit_bias=req.logit_bias_ids(), seed=None if req.seed is None else req.seed + sample,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs_count(),
+            logprobs=self.logprobs_count(req.logprobs_count(), "sample", "top_logprobs" if
+                                         "top_logprobs" in type(req).model_fields else "logprobs"),
+            prompt_logprobs=self.logprobs_count(req.prompt_logprobs_count(), "prompt",
+                                                "prompt_logprobs"),
             structured_outputs=req.structured_outputs_params()[0],  # ch07
             # a whole answer needs only the final output (vLLM's FINAL_ONLY): one
             # message from the engine thread per request instead of one per token
@@ -227,9 +237,9 @@ class OpenAIServing:
             raise engine_error(exc) from None
 
     async def outputs(self, streams: list[RequestStream], n: int
-                      ) -> AsyncIterator[tuple[int, CompletionOutput]]:
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The choices' outputs interleaved as they come: (choice index,
-        its CompletionOutput). An engine error ends them as an APIError; closing this
+        its RequestOutput). An engine error ends them as an APIError; closing this
         iterator aborts every unfinished choice."""
         queue: asyncio.Queue = asyncio.Queue()
         generated: dict[int, list[int]] = {}  # prompt -> tokens of its finished choices
@@ -252,7 +262,7 @@ class OpenAIServing:
                 if completion.finished:
                     remaining -= 1
                     self._finished_choice(generated, index // n, n, completion.num_output_tokens)
-                yield index, completion
+                yield index, item
         finally:
             for task in tasks:
                 task.cancel()
@@ -268,11 +278,11 @@ class OpenAIServing:
             self.metrics.record_parent(n, done)
 
     async def answers(self, request: Request, streams: list[RequestStream],
-                      n: int) -> list[CompletionOutput]:
+                      n: int) -> list[RequestOutput]:
         """Each choice's whole answer (its one FINAL_ONLY output), for a
         non-streaming response."""
-        async def collect() -> list[CompletionOutput]:
-            answers: list[CompletionOutput | None] = [None] * len(streams)
+        async def collect() -> list[RequestOutput]:
+            answers: list[RequestOutput | None] = [None] * len(streams)
             async for index, output in self.outputs(streams, n):
                 answers[index] = output
             return answers

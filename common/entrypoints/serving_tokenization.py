@@ -6,7 +6,7 @@ ids, their count and `max_model_len`; with `return_token_strs`, each token
 as the tokenizer writes it. `/detokenize` turns token ids back into text.
 Both are plain `def` routes: FastAPI runs them in a worker thread.
 
-Left out: `add_generation_prompt: false`, tools and multimodal messages.
+Left out: tools and multimodal messages.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from common.entrypoints.middleware import APIError
 from common.entrypoints.protocol import (
+    ChatCompletionRequest,
     ChatMessage,
     StrictModel,
     Text,
-    refuse_unless_default,
 )
 from common.entrypoints.serving_engine import OpenAIServing, check_model_name
 from common.loader import apply_chat_template
@@ -29,13 +29,14 @@ class TokenizeRequest(StrictModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True  # False is refused: the template always adds it
+    add_generation_prompt: bool = True  # the template opens the assistant's turn
+    continue_final_message: bool = False  # or leaves the last message open (vLLM's)
     return_token_strs: bool = False  # vLLM's: also each token as the tokenizer writes it
 
-    @field_validator("add_generation_prompt")
+    @field_validator("continue_final_message")
     @classmethod
-    def _generation_prompt(cls, value, info: ValidationInfo):
-        return refuse_unless_default(cls, value, info)
+    def _not_both(cls, value, info: ValidationInfo):
+        return ChatCompletionRequest._not_both(value, info)
 
 
 class DetokenizeRequest(StrictModel):
@@ -49,7 +50,8 @@ class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, req: TokenizeRequest) -> dict:
         check_model_name(req.model, self.model_name)
         if req.messages:
-            tokens = apply_chat_template(self.tokenizer, [m.as_dict() for m in req.messages])
+            tokens = apply_chat_template(self.tokenizer, [m.as_dict() for m in req.messages],
+                                         req.add_generation_prompt, req.continue_final_message)
         elif req.prompt is not None:
             tokens = self.encode(req.prompt, req.add_special_tokens)
         else:

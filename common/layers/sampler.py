@@ -3,7 +3,8 @@
 Per request: greedy (temperature 0), temperature, top-k, top-p, min-p,
 presence/frequency/repetition penalties, logit bias, a seed (a seeded request draws from
 its own `torch.Generator`, so it gives the same text whatever else runs in
-the batch), and the logprobs of the chosen and top tokens.
+the batch), and the logprobs of the chosen and top tokens. Also (ch06)
+the prompt's own logprobs, with each token's rank (`prompt_token_logprobs`).
 
 One row's failure is that row's alone: the sampler returns a
 `SamplingFailed` for it, the engine finishes that request with an error,
@@ -37,6 +38,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob)
+    rank: int | None = None  # 1 + tokens more likely (prompt logprobs only, as vLLM's)
 
 
 @dataclass
@@ -162,6 +164,25 @@ def sampled_token(logprobs: torch.Tensor, token_id: int, k: int | None) -> Sampl
     top = torch.topk(logprobs, k) if k > 0 else None
     pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
     return SampledToken(token_id, float(logprobs[token_id]), pairs)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int
+                          ) -> list[SampledToken]:
+    """logits: (n, vocab), row i predicting `token_ids[i]` (a prompt token)
+    -> each token's logprob and rank and the `k` top logprobs (-1: all),
+    from the raw logits, as vLLM's prompt logprobs."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (n, vocab)
+    ids = torch.tensor(token_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])  # (n, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (n,)
+    k = logprobs.shape[-1] if k == -1 else k
+    top = torch.topk(logprobs, k) if k > 0 else None
+    out = []
+    for i, token_id in enumerate(token_ids):
+        pairs = (list(zip(top.indices[i].tolist(), top.values[i].tolist()))
+                 if top is not None else [])
+        out.append(SampledToken(token_id, float(chosen[i]), pairs, int(ranks[i])))
+    return out
 
 
 class Sampler:

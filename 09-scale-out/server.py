@@ -1,0 +1,24 @@
+"""Chapter 09: scale out: the engine in its own process, N of them behind one API server.
+
+Chapter 08's server (every lever), with the engine core in processes of
+its own over ZeroMQ, as vLLM v1 runs it (common/engine/core.py, the
+engine's side; common/engine/core_client.py, the API server's side):
+
+    python 09-scale-out/server.py --device-memory-gb 1.1                  # 1 engine process
+    python 09-scale-out/server.py --data-parallel-size 2                  # 2, a core each
+    python 09-scale-out/server.py --engine-core in-process --live-view    # ch08's thread
+
+N separate servers behind the chapter's router (common/entrypoints/router.py),
+on one machine or on a Ray cluster: see README.md.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.engine.structured_output import StructuredOutputManager  # noqa: E402
+from common.entrypoints.api_server import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main("09", "Chapter 09: scale out",  # ch09: --engine-core, --data-parallel-size
+                  structured_output_cls=StructuredOutputManager))

@@ -1,0 +1,220 @@
+"""EngineCoreProc (vLLM v1's name): the engine in a process of its own (ch09).
+
+The API server's process tokenizes, checks, streams and answers; this
+process only schedules and steps. They talk over two ZeroMQ sockets, in
+msgpack (common/engine/serial.py):
+
+    API server  --PUSH-->  input  --PULL-->   engine core   [ADD, id, ids, params, t]
+                                                            [ABORT, id]  [SHUTDOWN]
+    API server  <--PULL--  output <--PUSH--   engine core   EngineCoreOutputs, one a step
+
+The loop, one step at a time (`EngineCoreProc.run_busy_loop`):
+
+    take in every request and abort that arrived (wait for one when idle)
+    outputs, failed = step_or_fail(engine)   # the same step as ch03-08's thread
+    send EngineCoreOutputs: the outputs, the failures, the step's stats,
+        the engine's figures (`/stats`) and its queue counts (backpressure)
+
+Being a process of its own is the point: however long a step takes (a
+7,000-token prefill), the API server's event loop is not in the same
+interpreter, so `/health` and a bad request's 400 answer at once. A
+Python thread (ch03-08) shares the interpreter's lock with the server.
+
+What is sent first: READY with what the front needs to know once (the
+admission rules, the sizes), or FAILED with the error if the engine could
+not be built (a flag that does not fit the model). If the loop dies, DEAD
+with the error, then the process exits 1. If it is killed, nothing is
+sent: the client notices the process is gone (core_client.py).
+
+`cpus` pins the process to some cores and sizes torch's thread pool to
+them (data parallel, `--data-parallel-size 2` on 2 cores: a core each).
+
+Left out: vLLM's handshake socket and its coordinator for data-parallel
+waves, the output thread that overlaps sending with the next step,
+`--api-server-count` (several API server processes).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from common.config import EngineConfig
+from common.engine.async_llm import step_or_fail
+from common.engine.llm_engine import LLMEngine
+from common.engine.scheduler import ContinuousScheduler, Scheduler
+from common.engine.serial import decode, encode
+
+log = logging.getLogger("llm-course")
+
+IDLE_POLL_MS = 1000  # an idle engine checks this often that its API server is alive
+
+
+class EngineCoreRequestType(enum.IntEnum):
+    """The first item of every message to the engine (vLLM's name)."""
+    ADD = 0
+    ABORT = 1
+    SHUTDOWN = 2
+
+
+class EngineCoreOutputType(enum.IntEnum):
+    """What a message from the engine carries (its "type" key)."""
+    READY = 0  # the engine is built: its admission rules and sizes
+    FAILED = 1  # the engine could not be built: the error
+    OUTPUTS = 2  # one step's outputs, failures, stats and figures
+    DEAD = 3  # the loop died: the error; the process exits next
+
+
+@dataclass
+class EngineCoreSpec:
+    """What a process needs to build its engine: picklable (the process is
+    spawned), unlike the lambda that ch03-08's servers pass to AsyncLLM."""
+    config: EngineConfig
+    scheduler_cls: type[Scheduler] = ContinuousScheduler
+    structured_output_cls: type | None = None  # ch07: the grammar step
+    cpus: list[int] | None = None  # pin to these cores (None: all of them)
+
+    def build(self) -> LLMEngine:
+        return LLMEngine(self.config, scheduler_cls=self.scheduler_cls,
+                         structured_output_cls=self.structured_output_cls)
+
+
+class StepStatsBuffer:
+    """A stat logger inside the engine process: keeps each step's
+    `IterationStats` until they are sent to the front, which records them."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def record(self, iteration_stats) -> None:
+        self.pending.append(iteration_stats)
+
+    def take(self) -> list:
+        taken, self.pending = self.pending, []
+        return taken
+
+
+class EngineCoreProc:
+    """The engine's loop in its own process; `run_engine_core` starts it."""
+
+    def __init__(self, engine: LLMEngine, index: int, input_socket: zmq.Socket,
+                 output_socket: zmq.Socket):
+        self.engine = engine
+        self.index = index  # which data-parallel engine this is
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.stats_buffer = StepStatsBuffer()
+        engine.add_stat_logger(self.stats_buffer)
+        self.parent_pid = os.getppid()
+        self.shutting_down = False
+        self.failed: list[tuple[str, str]] = []  # requests refused on arrival
+        self.num_added = 0  # requests taken in since the last message
+
+    def ready_message(self) -> dict:
+        engine = self.engine
+        return {"type": int(EngineCoreOutputType.READY), "engine": self.index,
+                "admission": engine.admission, "vocab_size": engine.vocab_size,
+                "max_num_seqs": engine.scheduler.max_num_seqs,
+                "cache_config_info": engine.cache_config_info(),
+                "model_vocab_size": engine.loaded.model.config.vocab_size,
+                "eos_token_ids": sorted(engine.eos_token_ids),
+                "snapshot": engine.snapshot()}
+
+    def run_busy_loop(self) -> None:
+        self.output_socket.send(encode(self.ready_message()))
+        while not self.shutting_down:
+            received = self.receive(wait=not self.engine.has_unfinished_requests())
+            if self.shutting_down:
+                return
+            outputs, failed = step_or_fail(self.engine)
+            failed, self.failed = self.failed + failed, []
+            if received or outputs or failed or self.stats_buffer.pending:
+                self.send_outputs(outputs, failed)  # an abort alone changes the figures
+
+    def receive(self, wait: bool) -> int:
+        """Take in what arrived (waiting for a first message when idle);
+        returns how many messages."""
+        received = 0
+        while not self.shutting_down:
+            if not self.input_socket.poll(IDLE_POLL_MS if wait else 0):
+                if not wait:
+                    return received
+                if os.getppid() != self.parent_pid:  # the API server is gone: so are we
+                    log.error("engine core %d: the API server died; exiting", self.index)
+                    self.shutting_down = True
+                continue
+            wait = False  # something came: take what else is there, then step
+            self.handle(decode(self.input_socket.recv()))
+            received += 1
+        return received
+
+    def handle(self, message: list) -> None:
+        kind = EngineCoreRequestType(message[0])
+        if kind is EngineCoreRequestType.ADD:
+            _, request_id, prompt_token_ids, params, arrival_time = message
+            self.num_added += 1
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time)
+            except ValueError as exc:  # a duplicate request id
+                self.failed.append((request_id, str(exc)))
+        elif kind is EngineCoreRequestType.ABORT:
+            self.engine.abort(message[1])
+        else:
+            self.shutting_down = True
+
+    def send_outputs(self, outputs: list, failed: list) -> None:
+        scheduler = self.engine.scheduler
+        added, self.num_added = self.num_added, 0
+        self.output_socket.send(encode({
+            "type": int(EngineCoreOutputType.OUTPUTS), "engine": self.index,
+            "outputs": outputs, "failed": failed,
+            "iteration_stats": self.stats_buffer.take(),
+            "snapshot": self.engine.snapshot(),
+            "num_drained": added, "left_waiting": len(scheduler.waiting),
+            "free_slots": scheduler.max_num_seqs - len(scheduler.running)}))
+
+
+def pin_to(cpus: list[int] | None) -> None:
+    """Run on `cpus` only, with one torch thread each."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+
+
+def run_engine_core(spec: EngineCoreSpec, index: int, input_address: str,
+                    output_address: str) -> None:
+    """The engine process's main (multiprocessing's target)."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [engine {index}] %(message)s")
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    try:
+        pin_to(spec.cpus)
+        engine = spec.build()
+    except Exception as exc:  # noqa: BLE001 - told to the front, which raises it
+        output_socket.send(encode({"type": int(EngineCoreOutputType.FAILED), "engine": index,
+                                   "error": str(exc), "error_type": type(exc).__name__}))
+        output_socket.close(linger=1000)
+        sys.exit(1)
+    core = EngineCoreProc(engine, index, input_socket, output_socket)
+    try:
+        core.run_busy_loop()
+    except BaseException as exc:  # noqa: BLE001 - tell the front, then exit 1
+        log.exception("engine core %d died", index)
+        output_socket.send(encode({"type": int(EngineCoreOutputType.DEAD), "engine": index,
+                                   "error": repr(exc)}))
+        output_socket.close(linger=1000)
+        sys.exit(1)
+    finally:
+        engine.close()  # ch08: the tensor-parallel ranks
+    output_socket.close(linger=1000)
+    input_socket.close(linger=0)
+    context.term()

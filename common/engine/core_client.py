@@ -1,0 +1,343 @@
+"""AsyncMPClient (vLLM v1's name): the API server's side of engines in their own processes (ch09).
+
+    engine = AsyncMPClient.start(EngineCoreSpec(config), data_parallel_size=2)
+    stream = engine.add_request("req-1", prompt_ids, params)   # as with AsyncLLM
+
+The same front as chapters 03-08's `AsyncLLM` (common/engine/async_llm.py:
+`EngineClient`), so every server runs on it unchanged; the engine itself
+runs in `data_parallel_size` processes (common/engine/core.py), each with
+the whole model and its own KV cache, pinned to its share of the cores:
+
+- `start` spawns them, waits for each one's READY (its admission rules
+  and sizes: `check_request` and `default_max_tokens` are answered here,
+  without a round trip) or FAILED (a flag that does not fit the model:
+  raised, as `AsyncLLM.build` raises it);
+- `add_request` picks the engine with the fewest unfinished requests
+  (vLLM's data-parallel client balances on the engines' queues too) and
+  sends it the request; `abort` goes to the same engine;
+- a reader thread takes every engine's outputs off one socket and hands
+  them to the requests' streams; each step's `IterationStats` go to the
+  stat loggers here (chapter 06's Prometheus `Metrics` lives in the API
+  server), and the engine's figures to `snapshot()`;
+- an engine that dies (a DEAD message, or its process simply gone:
+  SIGKILL, out of memory) makes the whole client dead, as in vLLM: every
+  stream in flight gets `EngineDeadError` (the server answers 503 and
+  exits 1), nothing hangs;
+- `close` asks each engine to shut down, then kills what is left.
+
+With `data_parallel_size > 1`, `snapshot()` adds the engines' figures up
+(`combine_snapshots`) and lists each under "engines".
+
+Left out: the live view (its step events are in the engine's process:
+chapter 09 runs it with `--engine-core in-process`), engines on other
+machines (vLLM's `--data-parallel-address`; chapter 09 puts whole servers
+on other machines behind its router instead), restarting a dead engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field, replace
+
+import zmq
+
+from common.config import ConfigError
+from common.engine.async_llm import EngineClient, EngineDeadError, QueueCounts
+from common.engine.core import (
+    EngineCoreOutputType,
+    EngineCoreRequestType,
+    EngineCoreSpec,
+    run_engine_core,
+)
+from common.engine.llm_engine import DEFAULT_MAX_TOKENS, Admission
+from common.engine.serial import decode, encode
+from common.loader import load_tokenizer
+from common.sampling_params import SamplingParams, StructuredOutputsParams
+
+log = logging.getLogger("llm-course")
+
+POLL_MS = 100  # the reader checks this often that every engine process is alive
+STARTUP_TIMEOUT_S = 900.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class EngineCoreHandle:
+    """The client's view of one engine process."""
+    index: int
+    process: multiprocessing.Process
+    input_socket: zmq.Socket
+    counts: QueueCounts = field(default_factory=lambda: QueueCounts(free_slots=0))
+    snapshot: dict = field(default_factory=dict)
+    unfinished: set[str] = field(default_factory=set)  # request ids sent, not yet finished
+
+
+def split_cores(data_parallel_size: int) -> list[list[int] | None]:
+    """Each engine's cores: this process's cores split evenly, or no
+    pinning (None) for one engine or fewer cores than engines."""
+    cores = sorted(os.sched_getaffinity(0))
+    if data_parallel_size == 1 or len(cores) < data_parallel_size:
+        return [None] * data_parallel_size
+    share = len(cores) // data_parallel_size
+    return [cores[i * share:(i + 1) * share] for i in range(data_parallel_size)]
+
+
+SAME_IN_EVERY_ENGINE = {"block_size", "bounds", "card"}  # kept as the first engine has them
+
+
+def combine_snapshots(snapshots: list[dict]) -> dict:
+    """Several engines' figures as one: counts added up (lists of counts
+    item by item), percentages averaged, the hit rate recomputed."""
+    def merge(key: str, values: list):
+        first = values[0]
+        if key in SAME_IN_EVERY_ENGINE or isinstance(first, (bool, str)) or first is None:
+            return first
+        if isinstance(first, dict):
+            return {k: merge(k, [v.get(k, 0) for v in values]) for k in first}
+        if isinstance(first, list):
+            return [sum(items) for items in zip(*values)]
+        total = sum(values)
+        return total / len(values) if key.endswith("_perc") else total
+
+    combined = {key: merge(key, [s[key] for s in snapshots if key in s]) for key in snapshots[0]}
+    if "prefix_cache_hit_rate" in combined:
+        queried = combined["prefix_cache_queried_blocks"]
+        combined["prefix_cache_hit_rate"] = (combined["prefix_cache_hit_blocks"] / queried
+                                             if queried else 0.0)
+    return combined
+
+
+class AsyncMPClient(EngineClient):
+    """Engines in processes of their own, behind `EngineClient`'s front."""
+
+    def __init__(self, spec: EngineCoreSpec, data_parallel_size: int = 1):
+        super().__init__()
+        self.spec = spec
+        self.data_parallel_size = data_parallel_size
+        self.tokenizer = load_tokenizer(spec.config.model)
+        self._context = zmq.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="llm-course-engine-")
+        self._output_socket = self._context.socket(zmq.PULL)
+        self._output_socket.bind(f"ipc://{self._socket_dir}/output")
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self._closing = False
+        self._stat_loggers: list = []
+        self._engine_of: dict[str, EngineCoreHandle] = {}  # request id -> its engine
+        self.engines = [self._spawn(i, cpus)
+                        for i, cpus in enumerate(split_cores(data_parallel_size))]
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, spec: EngineCoreSpec, data_parallel_size: int = 1,
+              timeout_s: float = STARTUP_TIMEOUT_S) -> "AsyncMPClient":
+        """Spawn the engines and wait until each is READY (or raise why not)."""
+        client = cls(spec, data_parallel_size)
+        try:
+            client._wait_ready(timeout_s)
+        except BaseException:
+            client.close()
+            raise
+        client._thread = threading.Thread(target=client._read_outputs, name="engine-outputs",
+                                          daemon=True)
+        client._thread.start()
+        return client
+
+    def _spawn(self, index: int, cpus: list[int] | None) -> EngineCoreHandle:
+        input_address = f"ipc://{self._socket_dir}/input-{index}"
+        input_socket = self._context.socket(zmq.PUSH)
+        input_socket.bind(input_address)
+        # spawn, not fork: this process may already run threads (and torch's pool)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name=f"engine-core-{index}",
+            args=(replace(self.spec, cpus=cpus), index, input_address,
+                  f"ipc://{self._socket_dir}/output"))
+        process.start()
+        log.info("engine core %d: pid %d, cores %s", index, process.pid, cpus or "all")
+        return EngineCoreHandle(index, process, input_socket)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        waiting = {engine.index for engine in self.engines}
+        waited_ms = 0
+        while waiting:
+            if not self._output_socket.poll(POLL_MS):
+                waited_ms += POLL_MS
+                gone = [e for e in self.engines if e.index in waiting and not e.process.is_alive()]
+                if gone:
+                    raise RuntimeError(f"engine core {gone[0].index} exited with status "
+                                       f"{gone[0].process.exitcode} before it was ready")
+                if waited_ms > timeout_s * 1000:
+                    raise TimeoutError(f"the engines were not ready within {timeout_s:g} s")
+                continue
+            message = decode(self._output_socket.recv())
+            if message["type"] == EngineCoreOutputType.FAILED:
+                error_type = ConfigError if message["error_type"] == "ConfigError" else RuntimeError
+                raise error_type(message["error"])
+            if message["type"] == EngineCoreOutputType.READY:
+                self._on_ready(self.engines[message["engine"]], message)
+                waiting.discard(message["engine"])
+
+    def _on_ready(self, engine: EngineCoreHandle, ready: dict) -> None:
+        self.admission: Admission = ready["admission"]
+        self.max_model_len = self.admission.max_model_len
+        self.vocab_size = ready["vocab_size"]
+        self.max_num_seqs = ready["max_num_seqs"]
+        self.cache_config_info = ready["cache_config_info"]
+        engine.counts.free_slots = ready["max_num_seqs"]
+        engine.snapshot = ready["snapshot"]
+        self._publish()
+        self.structured_output = None  # ch07: compiled here too, to answer 400 at once
+        if self.spec.structured_output_cls is not None:
+            spec = self.spec.config.speculative_config
+            self.structured_output = self.spec.structured_output_cls(
+                self.tokenizer, ready["model_vocab_size"], ready["eos_token_ids"],
+                spec.num_speculative_tokens if spec else 0)
+
+    # ------------------------------------------------------ what servers ask
+    @property
+    def alive(self) -> bool:
+        return (self.dead is None and self._thread is not None and self._thread.is_alive())
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The engines' admission rules, checked here (they are all alike)."""
+        if params.structured_outputs is not None and num_prompt_tokens:
+            self.compile_grammar(params.structured_outputs)
+        self.admission.check(num_prompt_tokens, params)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """ch07: compiled here to refuse a bad grammar at once; each engine
+        compiles it again when the request arrives (xgrammar caches it)."""
+        if self.structured_output is None:
+            raise ValueError("Structured outputs need an engine built with a "
+                             "StructuredOutputManager (chapter 07).")
+        self.structured_output.compile(params)
+
+    def default_max_tokens(self, num_prompt_tokens: int,
+                           cap: int | None = DEFAULT_MAX_TOKENS) -> int:
+        return self.admission.default_max_tokens(num_prompt_tokens, cap)
+
+    def num_waiting(self, extra: int = 0) -> int:
+        """`QueueCounts.num_waiting` over all engines; `extra` arrivals
+        first fill the slots left free anywhere."""
+        counts = [engine.counts for engine in self.engines]
+        spare = sum(max(0, c.free_slots - (c.num_added - c.num_drained)) for c in counts)
+        return sum(c.num_waiting() for c in counts) + max(0, extra - spare)
+
+    def add_stat_logger(self, logger) -> None:
+        """ch06: `logger.record(iteration_stats)` for every engine's every
+        step, called on the reader thread."""
+        self._stat_loggers = [*self._stat_loggers, logger]
+
+    def step_events(self):
+        raise RuntimeError("The live view watches an engine in the server's own process: "
+                           "run with --engine-core in-process.")
+
+    def close(self) -> None:
+        """Ask every engine to stop, wait for them, kill what is left."""
+        if self._closing:
+            return
+        self._closing = True
+        for engine in self.engines:
+            with contextlib.suppress(EngineDeadError):  # an engine already gone
+                self._send_to(engine, [int(EngineCoreRequestType.SHUTDOWN)])
+        for engine in self.engines:
+            engine.process.join(SHUTDOWN_TIMEOUT_S)
+            if engine.process.is_alive():
+                log.warning("engine core %d did not stop: killing it", engine.index)
+                engine.process.kill()
+                engine.process.join()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join()
+        for engine in self.engines:
+            engine.input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------ requests
+    def _send_to(self, engine: EngineCoreHandle, message: list) -> None:
+        """Never blocks: a PUSH socket whose engine is gone would wait for
+        it for good, and the server's event loop with it."""
+        try:
+            with self._send_lock:
+                engine.input_socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError(f"engine core {engine.index} does not take requests") from None
+
+    def _submit_add(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        engine = min(self.engines, key=lambda e: (len(e.unfinished), e.counts.num_added))
+        engine.unfinished.add(request_id)
+        engine.counts.num_added += 1
+        self._engine_of[request_id] = engine
+        self._send_to(engine, [int(EngineCoreRequestType.ADD), request_id, prompt_token_ids,
+                               params, arrival_time])
+
+    def _submit_abort(self, request_id: str) -> None:
+        engine = self._engine_of.get(request_id)
+        if engine is not None and not self._closing:
+            self._send_to(engine, [int(EngineCoreRequestType.ABORT), request_id])
+
+    def _finished(self, request_id: str) -> None:
+        engine = self._engine_of.pop(request_id, None)
+        if engine is not None:
+            engine.unfinished.discard(request_id)
+
+    # ---------------------------------------------------- the reader thread
+    def _read_outputs(self) -> None:
+        try:
+            while not self._closing:
+                if self._output_socket.poll(POLL_MS):
+                    self._on_message(decode(self._output_socket.recv()))
+                elif not self._closing:
+                    self._check_processes()
+        except BaseException as exc:  # noqa: BLE001 - the front cannot go on: say so
+            log.exception("the engine client's reader died")
+            self._die(exc)
+
+    def _check_processes(self) -> None:
+        for engine in self.engines:
+            if not engine.process.is_alive():
+                raise EngineDeadError(f"engine core {engine.index} (pid {engine.process.pid}) "
+                                      f"exited with status {engine.process.exitcode}")
+
+    def _on_message(self, message: dict) -> None:
+        engine = self.engines[message["engine"]]
+        if message["type"] == EngineCoreOutputType.DEAD:
+            raise EngineDeadError(f"engine core {engine.index} died: {message['error']}")
+        if message["type"] != EngineCoreOutputType.OUTPUTS:
+            return
+        counts = engine.counts
+        counts.num_drained += message["num_drained"]
+        counts.left_waiting = message["left_waiting"]
+        counts.free_slots = message["free_slots"]
+        engine.snapshot = message["snapshot"]
+        self._publish()
+        for iteration_stats in message["iteration_stats"]:
+            self._record(iteration_stats)
+        for request_id, _ in message["failed"]:
+            self._finished(request_id)
+        for output in message["outputs"]:
+            if output.finished:
+                self._finished(output.request_id)
+        self._deliver(message["outputs"], message["failed"])
+
+    def _record(self, iteration_stats) -> None:
+        for logger in self._stat_loggers:
+            try:
+                logger.record(iteration_stats)
+            except Exception:  # noqa: BLE001 - a figure lost, never the engine
+                log.exception("stat logger %r failed; the engine goes on", logger)
+
+    def _publish(self) -> None:
+        snapshots = [engine.snapshot for engine in self.engines if engine.snapshot]
+        if len(self.engines) == 1:
+            self._published = snapshots[0]
+        elif snapshots:
+            self._published = {**combine_snapshots(snapshots),
+                               "data_parallel_size": self.data_parallel_size,
+                               "engines": snapshots}

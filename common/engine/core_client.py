@@ -56,6 +56,7 @@ from common.engine.core import (
 )
 from common.engine.llm_engine import DEFAULT_MAX_TOKENS, Admission
 from common.engine.serial import decode, encode
+from common.engine.stats import StatLoggers
 from common.loader import load_tokenizer
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -126,7 +127,7 @@ class AsyncMPClient(EngineClient):
         self._output_socket.bind(f"ipc://{self._socket_dir}/output")
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._closing = False
-        self._stat_loggers: list = []
+        self._stat_loggers = StatLoggers()  # ch06: fed each engine's steps here
         self._engine_of: dict[str, EngineCoreHandle] = {}  # request id -> its engine
         self.engines = [self._spawn(i, cpus)
                         for i, cpus in enumerate(split_cores(data_parallel_size))]
@@ -230,7 +231,7 @@ class AsyncMPClient(EngineClient):
     def add_stat_logger(self, logger) -> None:
         """ch06: `logger.record(iteration_stats)` for every engine's every
         step, called on the reader thread."""
-        self._stat_loggers = [*self._stat_loggers, logger]
+        self._stat_loggers.add(logger)
 
     def step_events(self):
         raise RuntimeError("The live view watches an engine in the server's own process: "
@@ -318,20 +319,13 @@ class AsyncMPClient(EngineClient):
         engine.snapshot = message["snapshot"]
         self._publish()
         for iteration_stats in message["iteration_stats"]:
-            self._record(iteration_stats)
+            self._stat_loggers.record(iteration_stats)
         for request_id, _ in message["failed"]:
             self._finished(request_id)
         for output in message["outputs"]:
             if output.finished:
                 self._finished(output.request_id)
         self._deliver(message["outputs"], message["failed"])
-
-    def _record(self, iteration_stats) -> None:
-        for logger in self._stat_loggers:
-            try:
-                logger.record(iteration_stats)
-            except Exception:  # noqa: BLE001 - a figure lost, never the engine
-                log.exception("stat logger %r failed; the engine goes on", logger)
 
     def _publish(self) -> None:
         snapshots = [engine.snapshot for engine in self.engines if engine.snapshot]

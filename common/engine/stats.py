@@ -236,6 +236,26 @@ class IterationStats:
             num_preemptions=num_preemptions))
 
 
+class StatLoggers:
+    """ch06: the stat loggers (vLLM's), each handed every step's
+    `IterationStats` (`record`). The list is replaced, never changed in
+    place: another thread may add a logger while a step goes through it.
+    A logger that fails loses its figure, never the engine."""
+
+    def __init__(self) -> None:
+        self._loggers: list = []
+
+    def add(self, logger) -> None:
+        self._loggers = [*self._loggers, logger]
+
+    def record(self, iteration_stats: IterationStats) -> None:
+        for logger in self._loggers:
+            try:
+                logger.record(iteration_stats)
+            except Exception:  # noqa: BLE001 - a figure lost, never the engine
+                log.exception("stat logger %r failed; the engine goes on", logger)
+
+
 class StatsCollector:
     """The engine's figures, kept apart from its step (ch05-07): fed each
     step's batch and sampled tokens, it keeps the running totals
@@ -253,7 +273,7 @@ class StatsCollector:
         self.block_manager = block_manager
         self.enable_prefix_caching = enable_prefix_caching
         self.totals = EngineStats()
-        self.stat_loggers: list = []  # ch06: add_stat_logger; each records every step
+        self.stat_loggers = StatLoggers()  # ch06: add_stat_logger; each records every step
         self.log_interval_s = log_interval_s
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt, generation tokens
         self._step_prompt_tokens = 0  # observe_scheduled's count, for new_iteration
@@ -310,7 +330,7 @@ class StatsCollector:
         t.peak_used_slots = max(t.peak_used_slots, usage.used_slots)
         t.sum_reserved_slots += usage.reserved_slots
         t.sum_used_slots += usage.used_slots
-        self.record(iteration_stats)
+        self.stat_loggers.record(iteration_stats)
         self.maybe_log(idle=not self.scheduler.has_unfinished())
 
     def count_finished(self, reason) -> None:
@@ -326,17 +346,8 @@ class StatsCollector:
         return 100.0 * (1 - t.sum_used_slots / t.sum_reserved_slots) if t.sum_reserved_slots else 0.0
 
     def add_stat_logger(self, logger) -> None:
-        """ch06: `logger.record(iteration_stats)` after every step (vLLM's
-        stat loggers). The list is replaced, never changed in place: another
-        thread may add a logger while the engine loop goes through the list."""
-        self.stat_loggers = [*self.stat_loggers, logger]
-
-    def record(self, iteration_stats: IterationStats) -> None:
-        for logger in self.stat_loggers:
-            try:
-                logger.record(iteration_stats)
-            except Exception:  # noqa: BLE001 - a figure lost, never the engine
-                log.exception("stat logger %r failed; the engine goes on", logger)
+        """ch06: `logger.record(iteration_stats)` after every step."""
+        self.stat_loggers.add(logger)
 
     def maybe_log(self, idle: bool) -> None:
         """vLLM's periodic line: throughput, queues, KV usage, preemptions.

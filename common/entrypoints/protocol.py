@@ -20,7 +20,7 @@ Left out: tools, audio and images, the Responses API, vLLM's structural tags.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -82,6 +82,7 @@ class SamplingFields(StrictModel):
     # ch07: structured outputs, OpenAI's way or vLLM's (not both)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    LOGPROBS_PARAM: ClassVar[str]  # the field asking for the answer's top logprobs (for a 400)
 
     @field_validator("use_beam_search")
     @classmethod
@@ -152,10 +153,8 @@ class SamplingFields(StrictModel):
     def usage_in_stream(self) -> tuple[bool, bool]:
         """(a last chunk with the usage, the usage in every chunk too): vLLM's
         rule, `continuous_usage_stats` counts only beside `include_usage`."""
-        options = self.stream_options
-        if options is None:
-            return False, False
-        return options.include_usage, options.include_usage and options.continuous_usage_stats
+        include_usage = self.stream_options is not None and self.stream_options.include_usage
+        return include_usage, include_usage and self.stream_options.continuous_usage_stats
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -167,6 +166,21 @@ class SamplingFields(StrictModel):
 
     def prompt_logprobs_count(self) -> int | None:
         return self.prompt_logprobs
+
+
+class ChatTemplateFlags(StrictModel):
+    """vLLM's chat-template extras (chat and /tokenize): the assistant's
+    turn opened by the template, or instead the last message left open."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_both(cls, value, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt"):
+            raise unsupported("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.")  # vLLM's words
+        return value
 
 
 # OpenAI chat fields that this server refuses rather than ignores, and why.
@@ -182,11 +196,12 @@ REFUSED_CHAT_FIELDS = {
 }
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None  # 0..MAX_LOGPROBS, or -1: the whole vocabulary (vLLM's)
+    LOGPROBS_PARAM = "top_logprobs"
     # OpenAI fields this server refuses rather than ignores:
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
@@ -197,19 +212,7 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict | None = None
     web_search_options: dict | None = None
     reasoning_effort: str | None = None
-    # vLLM's: the last (assistant's) message before the answer; the assistant's
-    # turn opened by the template, or instead the last message left open
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _not_both(cls, value, info: ValidationInfo):
-        if value and info.data.get("add_generation_prompt"):
-            raise unsupported("Cannot set both `continue_final_message` and "
-                              "`add_generation_prompt` to True.")  # vLLM's words
-        return value
+    echo: bool = False  # vLLM's: the last (assistant's) message before the answer
 
     @field_validator(*REFUSED_CHAT_FIELDS)
     @classmethod
@@ -256,9 +259,14 @@ PromptInput = Union[Text, list[Text], list[Annotated[int, Field(ge=0)]],
                     list[list[Annotated[int, Field(ge=0)]]]]
 
 
+REFUSED_COMPLETION_FIELDS = {"echo": "echo is not supported.",  # refused, not ignored
+                             "suffix": "suffix (insertion) is not supported."}
+
+
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     logprobs: int | None = None  # 0..MAX_LOGPROBS, or -1: the whole vocabulary (vLLM's)
+    LOGPROBS_PARAM = "logprobs"
     best_of: int | None = Field(default=None, ge=1)
     echo: bool = False
     suffix: Text | None = None
@@ -277,18 +285,11 @@ class CompletionRequest(SamplingFields):
             raise unsupported("best_of is not supported (only best_of = n).")
         return value
 
-    @field_validator("echo")
+    @field_validator(*REFUSED_COMPLETION_FIELDS)
     @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise unsupported("echo is not supported.")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise unsupported("suffix (insertion) is not supported.")
+    def _refused(cls, value, info: ValidationInfo):
+        if value:  # false, None or "": not asked for
+            raise unsupported(REFUSED_COMPLETION_FIELDS[info.field_name])
         return value
 
     def requested_max_tokens(self) -> int | None:

@@ -182,8 +182,7 @@ class OpenAIServing:
             logit_bias=req.logit_bias_ids(), seed=None if req.seed is None else req.seed + sample,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_strings(),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-            logprobs=self.logprobs_count(req.logprobs_count(), "sample", "top_logprobs" if
-                                         "top_logprobs" in type(req).model_fields else "logprobs"),
+            logprobs=self.logprobs_count(req.logprobs_count(), "sample", req.LOGPROBS_PARAM),
             prompt_logprobs=self.logprobs_count(req.prompt_logprobs_count(), "prompt",
                                                 "prompt_logprobs"),
             structured_outputs=req.structured_outputs_params()[0],  # ch07

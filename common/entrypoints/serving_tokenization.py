@@ -10,33 +10,21 @@ Left out: tools and multimodal messages.
 """
 from __future__ import annotations
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
 from common.entrypoints.middleware import APIError
-from common.entrypoints.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    StrictModel,
-    Text,
-)
+from common.entrypoints.protocol import ChatMessage, ChatTemplateFlags, StrictModel, Text
 from common.entrypoints.serving_engine import OpenAIServing, check_model_name
 from common.loader import apply_chat_template
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateFlags):
     """vLLM's `/tokenize`: a prompt, or chat messages through the template."""
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True  # the template opens the assistant's turn
-    continue_final_message: bool = False  # or leaves the last message open (vLLM's)
     return_token_strs: bool = False  # vLLM's: also each token as the tokenizer writes it
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _not_both(cls, value, info: ValidationInfo):
-        return ChatCompletionRequest._not_both(value, info)
 
 
 class DetokenizeRequest(StrictModel):

@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import requests
 
@@ -87,32 +88,43 @@ def _error_text(response: requests.Response) -> str:
         return response.text[:300]
 
 
-def _stream_request(url: str, body: dict, timeout: float) -> RequestResult:
+def stream_request(url: str, body: dict, timeout: float
+                   ) -> tuple[RequestResult, str, Mapping[str, str]]:
+    """One chat request, streamed: its timings, its answer's text, and the
+    answer's HTTP headers (a router's `x-replica`: bench/scale.py)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     chunk_times: list[float] = []
+    text: list[str] = []
     tokens = 0
     with requests.post(url, json=body, stream=True, timeout=timeout) as response:
+        headers = response.headers
         if response.status_code != 200:
-            return RequestResult(False, f"HTTP {response.status_code}: {_error_text(response)}")
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            return RequestResult(False, "the server answered without streaming "
-                                 "(chapters 01-05 do not stream; chapter 06 does)")
+            return (RequestResult(False, f"HTTP {response.status_code}: "
+                                  f"{_error_text(response)}"), "", headers)
+        if not headers.get("content-type", "").startswith("text/event-stream"):
+            return (RequestResult(False, "the server answered without streaming "
+                                  "(chapters 01-05 do not stream; chapter 06 does)"), "", headers)
         for line in response.iter_lines(decode_unicode=True):
             if not line or not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: "):])
             if "error" in event:
-                return RequestResult(False, f"stream error: {event['error'].get('message')}")
+                return (RequestResult(False, f"stream error: {event['error'].get('message')}"),
+                        "", headers)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+            piece = "".join(c.get("delta", {}).get("content") or ""
+                            for c in event.get("choices", []))
+            if piece:
                 chunk_times.append(time.perf_counter())
+                text.append(piece)
     end = time.perf_counter()
     ttft = chunk_times[0] - start if chunk_times else end - start
     itls = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-    return RequestResult(True, e2e=end - start, ttft=ttft,
-                         completion_tokens=tokens or len(chunk_times), itls=itls)
+    return (RequestResult(True, e2e=end - start, ttft=ttft,
+                          completion_tokens=tokens or len(chunk_times), itls=itls),
+            "".join(text), headers)
 
 
 def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
@@ -130,7 +142,7 @@ def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
     url = base_url.rstrip("/") + "/v1/chat/completions"
     try:
         if stream:
-            return _stream_request(url, body, timeout)
+            return stream_request(url, body, timeout)[0]
         start = time.perf_counter()
         response = requests.post(url, json=body, timeout=timeout)
         e2e = time.perf_counter() - start

@@ -31,7 +31,6 @@ for its first requests alike).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import record_head, write_results
+from bench.bench import record_head, served_model, write_results
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
@@ -53,6 +52,7 @@ from bench.loadtest import (
     ServerProcess,
     free_port,
     run_load,
+    stream_request,
     summarize,
 )
 from bench.peers import vllm_peer
@@ -89,47 +89,17 @@ class Workload:
         return self.systems[conversation % self.system_prompts]
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int
-                ) -> tuple[RequestResult, str, str]:
+def chat_turn(url: str, model: str | None, messages: list[dict], max_tokens: int
+              ) -> tuple[RequestResult, str, str]:
     """One streamed chat turn: its timings, its answer's text, and which
     replica served it (the router's `x-replica` header; "" without a router)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "model": served_model(url)}
-    start, times, text, tokens = time.perf_counter(), [], [], 0
+            "ignore_eos": True, "model": model}
     try:
-        with requests.post(url + "/v1/chat/completions", json=body, stream=True,
-                           timeout=600) as answer:
-            replica = answer.headers.get("x-replica", "")
-            if answer.status_code != 200:
-                return (RequestResult(False, f"HTTP {answer.status_code}: {answer.text[:200]}"),
-                        "", replica)
-            for line in answer.iter_lines(decode_unicode=True):
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return RequestResult(False, event["error"]["message"]), "", replica
-                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
-                piece = "".join(c["delta"].get("content") or "" for c in event["choices"])
-                if piece:
-                    times.append(time.perf_counter())
-                    text.append(piece)
+        result, text, headers = stream_request(url + "/v1/chat/completions", body, 600)
     except requests.RequestException as exc:
         return RequestResult(False, f"{type(exc).__name__}: {exc}"), "", ""
-    end = time.perf_counter()
-    return RequestResult(True, e2e=end - start, ttft=(times[0] if times else end) - start,
-                         completion_tokens=tokens or len(times),
-                         itls=[b - a for a, b in zip(times, times[1:])]), "".join(text), replica
-
-
-_served: dict[str, str] = {}
-
-
-def served_model(url: str) -> str:
-    if url not in _served:
-        _served[url] = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    return _served[url]
+    return result, text, headers.get("x-replica", "")
 
 
 def run_workload(url: str, work: Workload) -> dict:
@@ -138,12 +108,13 @@ def run_workload(url: str, work: Workload) -> dict:
     results: list[RequestResult] = []
     routes = [[""] * work.turns for _ in range(work.conversations)]
     lock = threading.Lock()
+    model = served_model(url)
 
     def conversation(c: int) -> None:
         messages = [{"role": "system", "content": work.system_of(c)}]
         for t, question in enumerate(work.questions[c]):
             messages.append({"role": "user", "content": question})
-            result, answer, routes[c][t] = stream_chat(url, messages, work.max_tokens)
+            result, answer, routes[c][t] = chat_turn(url, model, messages, work.max_tokens)
             messages.append({"role": "assistant", "content": answer})
             with lock:
                 results.append(result)

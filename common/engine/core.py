@@ -40,6 +40,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import zmq
@@ -186,6 +187,13 @@ def pin_to(cpus: list[int] | None) -> None:
         torch.set_num_threads(len(cpus))
 
 
+def send_last_and_exit(output_socket: zmq.Socket, message: dict) -> NoReturn:
+    """The process's last word to the front (FAILED or DEAD), then exit 1."""
+    output_socket.send(encode(message))
+    output_socket.close(linger=1000)
+    sys.exit(1)
+
+
 def run_engine_core(spec: EngineCoreSpec, index: int, input_address: str,
                     output_address: str) -> None:
     """The engine process's main (multiprocessing's target)."""
@@ -200,19 +208,16 @@ def run_engine_core(spec: EngineCoreSpec, index: int, input_address: str,
         pin_to(spec.cpus)
         engine = spec.build()
     except Exception as exc:  # noqa: BLE001 - told to the front, which raises it
-        output_socket.send(encode({"type": int(EngineCoreOutputType.FAILED), "engine": index,
-                                   "error": str(exc), "error_type": type(exc).__name__}))
-        output_socket.close(linger=1000)
-        sys.exit(1)
+        send_last_and_exit(output_socket, {"type": int(EngineCoreOutputType.FAILED),
+                                           "engine": index, "error": str(exc),
+                                           "error_type": type(exc).__name__})
     core = EngineCoreProc(engine, index, input_socket, output_socket)
     try:
         core.run_busy_loop()
     except BaseException as exc:  # noqa: BLE001 - tell the front, then exit 1
         log.exception("engine core %d died", index)
-        output_socket.send(encode({"type": int(EngineCoreOutputType.DEAD), "engine": index,
-                                   "error": repr(exc)}))
-        output_socket.close(linger=1000)
-        sys.exit(1)
+        send_last_and_exit(output_socket, {"type": int(EngineCoreOutputType.DEAD),
+                                           "engine": index, "error": repr(exc)})
     finally:
         engine.close()  # ch08: the tensor-parallel ranks
     output_socket.close(linger=1000)

@@ -36,7 +36,7 @@ class ReplicaFailed(Exception):
 
 
 def passed_back(status: int, content: bytes, headers: httpx.Headers) -> Response:
-    """A replica's answer for the client; a 5xx: try elsewhere (step 3 above)."""
+    """A replica's answer for the client; a 5xx: try elsewhere (router.py, step 3)."""
     if status >= 500:
         raise ReplicaFailed(f"answered {status}")
     return Response(content, status_code=status, media_type=headers.get("content-type"))

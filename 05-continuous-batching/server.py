@@ -1,6 +1,7 @@
 """Chapter 05: continuous batching.
 
-Switches on: common/engine/scheduler.py's continuous policy. At every step the
+Chapter 04's parts with one swapped: the scheduler
+(common/core/scheduler.py's `ContinuousScheduler`). At every step the
 running sequences decode one token each, waiting ones join as soon as
 blocks and budgets allow, finished ones leave at once; long prompts are
 prefilled in chunks; when blocks run out the newest sequence is preempted
@@ -14,9 +15,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.engine.scheduler import ContinuousScheduler  # noqa: E402
-from common.entrypoints.api_server import run_chat_server  # noqa: E402
+from common.config import EngineConfig  # noqa: E402
+from common.core.block_manager import BlockManager  # noqa: E402
+from common.core.scheduler import ContinuousScheduler  # noqa: E402
+from common.engine.parts import EngineParts  # noqa: E402
+from common.entrypoints.chat_server import run_chat_server  # noqa: E402
+from common.metrics.stats import StatsCollector  # noqa: E402
+from common.metrics.step_events import StepEvents  # noqa: E402
+from common.worker.model_runner import PlainSampling  # noqa: E402
+
+def engine_parts(config: EngineConfig) -> EngineParts:
+    """What chapter 05 plugs into the engine."""
+    return EngineParts(
+        scheduler_cls=ContinuousScheduler,  # ch05: iteration-level scheduling
+        block_manager_cls=BlockManager,  # ch04: blocks on demand, prefix caching
+        sampling_cls=PlainSampling,  # ch03: the sampler, one token per sequence
+        stats_collector_cls=StatsCollector,  # ch03: /stats; ch05: preemptions
+        step_events_cls=StepEvents)  # ch03: --live-view, --record-events
+
 
 if __name__ == "__main__":
     sys.exit(run_chat_server("05", "Chapter 05: continuous batching",  # ch05: prefix caching on
-                             scheduler_cls=ContinuousScheduler))  # ch05: iteration-level scheduling
+                             engine_parts))

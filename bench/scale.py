@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--skip-engine-core", action="store_true", help="table 2 only")
+    p.add_argument("--skip-scale-out", action="store_true", help="table 1 only")
     p.add_argument("--skip-vllm", action="store_true", help="no real vLLM row")
     p.add_argument("--out", type=Path, default=RESULTS)
     args, args.server_args = p.parse_known_args(argv)
@@ -328,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("conversations", "turns", "system_prompts", "max_tokens", "seed")}}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as logs:
         record["engine_core"] = [] if args.skip_engine_core else engine_rows(args, Path(logs))
-        record["scale_out"] = workload_rows(args, work, Path(logs))
-    if not args.skip_vllm:
+        record["scale_out"] = [] if args.skip_scale_out else workload_rows(args, work, Path(logs))
+    if not (args.skip_vllm or args.skip_scale_out):
         record["machine"]["vllm"] = vllm_peer.installed_version()
     stem = write_results(args.out, "scale", record, markdown(record))
     draw_routes(record, stem.with_suffix(".png"))

@@ -29,7 +29,7 @@ class SpeculativeConfig:
     lookup) speculation, the only method here. Each step, a sequence whose
     last `prompt_lookup_max` .. `prompt_lookup_min` tokens appeared earlier
     proposes the (up to) `num_speculative_tokens` tokens that followed
-    them; one forward pass checks them all (common/engine/ngram_proposer.py,
+    them; one forward pass checks them all (common/spec_decode/ngram_proposer.py,
     common/layers/rejection_sampler.py).
 
     `num_speculative_tokens_per_batch_size` (vLLM's dynamic schedule): a
@@ -102,7 +102,7 @@ class SpeculativeConfig:
 @dataclass
 class KVEventsConfig:
     """vLLM's `--kv-events-config` (its keys and defaults): publish the
-    prefix cache's changes over ZeroMQ (common/engine/kv_events.py)."""
+    prefix cache's changes over ZeroMQ (common/metrics/kv_events.py)."""
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled (vLLM's rule)
     endpoint: str = "tcp://*:5557"
@@ -179,7 +179,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks, one process each
     speculative_config: SpeculativeConfig | None = None  # ch07: n-gram speculation
     seed: int = 0
-    # What each step did, for the live view and tools (common/engine/step_events.py).
+    # What each step did, for the live view and tools (common/metrics/step_events.py).
     kv_events_config: KVEventsConfig | None = None  # vLLM's KV events over ZeroMQ
     record_events: str | None = None  # a file: every step's frame as a JSON line
 

@@ -14,7 +14,7 @@ wire and into Prometheus labels as it is.
 Left out: vLLM's `n > 1` inside one RequestOutput, `cumulative_logprob`,
 `stop_reason` (which stop string or token matched),
 per-request metrics on the output (the engine records them itself:
-common/engine/stats.py).
+common/metrics/stats.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Either way no output copies the whole sequence at every token.
 `structured_outputs` (ch07) constrains the answer to a JSON schema, any
 JSON object, a regular expression, an EBNF grammar or one of a list of
 strings (vLLM's `StructuredOutputsParams`, the same field names): the
-engine compiles it with xgrammar (common/engine/structured_output.py).
+engine compiles it with xgrammar (common/structured_output/manager.py).
 
 Left out: beam search, best_of, the cumulative output kind (every output
 repeating all the text so far), vLLM's structural tags and

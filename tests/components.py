@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 from common import autoregressive, memory
-from common.engine import block_manager, scheduler
+from common.core import block_manager, scheduler
 from common.entrypoints import metrics, routing
 from common.layers import attention, quantization, rejection_sampler, token_bitmask
 
@@ -45,9 +45,9 @@ EXERCISES = {
                    ("store_kvcache", "paged_decode_attention", "paged_prefill_attention"),
                    "common/layers/attention.py"),
     "04": Exercise("04", "04-paged-attention", "block_manager.py",
-                   ("BlockManager", "compute_block_hash"), "common/engine/block_manager.py"),
+                   ("BlockManager", "compute_block_hash"), "common/core/block_manager.py"),
     "05": Exercise("05", "05-continuous-batching", "scheduler.py",
-                   ("ContinuousScheduler",), "common/engine/scheduler.py"),
+                   ("ContinuousScheduler",), "common/core/scheduler.py"),
     "06": Exercise("06", "06-openai-server", "metrics.py",
                    ("EngineCollector", "LatencyStatLogger"), "common/entrypoints/metrics.py"),
     # chapter 07's two: structured outputs, speculative decoding

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.engine.scheduler import StaticScheduler
+from common.core.scheduler import StaticScheduler
+from common.engine.parts import EngineParts, assemble_engine
 from common.sampling_params import SamplingParams
 from tests.components import Components
 from tests.invariants import checked
@@ -21,21 +21,26 @@ def make_engine(loaded, policy="continuous", num_blocks=None, impl=None,
     invariants after every change (tests/invariants.py's `checked`; each
     check reads the whole pool, too slow for thousands of blocks).
     `structured_outputs`: chapter 07's grammar step (imports xgrammar).
-    `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions)."""
+    `config`: EngineConfig's fields (`block_size=None`: chapter 03's regions;
+    `speculative_config`: chapter 07's drafts, on the scheduler given)."""
     impl = impl or Components()
     config.setdefault("device_memory_gb", 2.0)
     scheduler_cls = StaticScheduler if policy == "static" else impl.ContinuousScheduler
     structured_output_cls = None
     if structured_outputs:
-        from common.engine.structured_output import StructuredOutputManager
+        from common.structured_output.manager import StructuredOutputManager
         structured_output_cls = StructuredOutputManager
     block_manager_cls = impl.BlockManager
     if num_blocks is not None and num_blocks <= CHECKED_POOL:
         block_manager_cls = checked(block_manager_cls)
-    return LLMEngine(EngineConfig(**config), scheduler_cls=scheduler_cls, loaded=loaded,
-                     num_blocks=num_blocks, block_manager_cls=block_manager_cls,
-                     attention_ops=impl.attention_ops,
-                     structured_output_cls=structured_output_cls)
+    engine_config = EngineConfig(**config)
+    parts = EngineParts(scheduler_cls=scheduler_cls, block_manager_cls=block_manager_cls,
+                        structured_output_cls=structured_output_cls)
+    if engine_config.speculative_config is not None:  # ch07: drafts on this scheduler
+        from common.spec_decode.speculative import with_drafts
+        parts = with_drafts(parts, engine_config.speculative_config)
+    return assemble_engine(engine_config, parts, loaded=loaded, num_blocks=num_blocks,
+                           attention_ops=impl.attention_ops)
 
 
 # Steps in a row with no token out: a request that is never scheduled (or

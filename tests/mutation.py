@@ -92,7 +92,7 @@ TARGETS: dict[str, Target] = {
                  ("test_ch03_kv_cache.py", "test_ch04_paged.py", "test_cpu_attention.py"),
                  why_model_free="the same attention runs in the forward passes of tiny random "
                  "Llama and Qwen2 models, compared with Hugging Face's"),
-    "04": Target("common/engine/block_manager.py",
+    "04": Target("common/core/block_manager.py",
                  (function("compute_block_hash"),
                   *(method("BlockManager", m) for m in (
                       "__init__", "blocks_needed", "num_free_blocks", "num_used_blocks",
@@ -102,7 +102,7 @@ TARGETS: dict[str, Target] = {
                  ("test_block_manager_invariants.py", "test_scheduler_invariants.py",
                   "test_scheduler_unit.py", "test_ch03_kv_cache.py", "test_ch04_paged.py",
                   "test_ch05_scheduler.py"), why_model_free=BOOKKEEPING),
-    "05": Target("common/engine/scheduler.py",
+    "05": Target("common/core/scheduler.py",
                  (method("ScheduledSeq"), method("Scheduler"), method("ContinuousScheduler")),
                  ("test_scheduler_invariants.py", "test_scheduler_unit.py",
                   "test_ch05_scheduler.py", "test_ch04_paged.py", "test_ch03_kv_cache.py"),

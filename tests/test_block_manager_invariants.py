@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.engine.sequence import Sequence
+from common.core.sequence import Sequence
 from common.sampling_params import SamplingParams
 from tests.invariants import InvariantError, KVShadow, check_block_manager, would_succeed
 

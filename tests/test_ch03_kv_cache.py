@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 
 from bench.loadtest import run_load
 from common.autoregressive import generate_without_cache
-from common.engine.kv_cache import KVCache
+from common.worker.kv_cache import KVCache
 from common.layers.attention import AttentionMetadata
 from common.layers.sampler import RequestSamplingState, Sampler, filter_logits
 from common.loader import apply_chat_template

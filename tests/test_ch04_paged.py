@@ -2,7 +2,7 @@
 import pytest
 
 from bench.loadtest import SYSTEM_PROMPT, run_load
-from common.engine.sequence import Sequence
+from common.core.sequence import Sequence
 from common.loader import apply_chat_template
 from common.sampling_params import SamplingParams
 from tests.conftest import PROMPTS, hf_greedy

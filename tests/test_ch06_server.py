@@ -25,7 +25,7 @@ from common.engine.async_llm import AsyncLLM
 from common.entrypoints.api_server import build_app
 from common.entrypoints.middleware import RateLimit
 from common.entrypoints.launcher import exit_code, make_server
-from common.engine.stats import FinishedRequestStats, IterationStats
+from common.metrics.stats import FinishedRequestStats, IterationStats
 from common.entrypoints.metrics import Metrics
 from common.loader import apply_chat_template
 from tests.bad_inputs import assert_rejected_on_one_connection, bad_amid_good

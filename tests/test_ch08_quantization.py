@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
+from common.engine.parts import assemble_engine
 from common.layers import quantization as quant
 from common.loader import apply_chat_template
 from common.models.llama import LLAMA_LINEARS
@@ -195,7 +195,7 @@ def int8_engine_tokens(embedded, quant_ops, max_tokens: int = 32):
     every linear layer of its 30 decoder layers quantized with `quant_ops`,
     three prompts greedy: (engine, request id -> tokens)."""
     loaded = replace(embedded, model=copy.deepcopy(embedded.model))
-    engine = LLMEngine(EngineConfig(quantization="int8", device_memory_gb=2.0), loaded=loaded,
+    engine = assemble_engine(EngineConfig(quantization="int8", device_memory_gb=2.0), loaded=loaded,
                        quant_ops=quant_ops)
     prompts = {f"r{i}": apply_chat_template(embedded.tokenizer, m) for i, m in enumerate(PROMPTS)}
     done = run_all(engine, prompts, greedy(max_tokens))
@@ -205,7 +205,7 @@ def int8_engine_tokens(embedded, quant_ops, max_tokens: int = 32):
 def test_the_engine_with_your_int8_layers_gives_the_reference_tokens(impl, embedded):
     """End to end: every q/k/v/o and gate/up/down projection of the embedded
     model (210 layers) stored by your quantize_int8 and multiplied by your
-    int8_linear, through `LLMEngine(quant_ops=...)`: three prompts, 32
+    int8_linear, through `assemble_engine(quant_ops=...)`: three prompts, 32
     greedy tokens each, the reference int8 engine's tokens exactly, and
     its weights in as many bytes."""
     engine, tokens = int8_engine_tokens(embedded, impl.quant_ops)

@@ -203,8 +203,8 @@ NO_XGRAMMAR = textwrap.dedent("""
     from fastapi.testclient import TestClient
     from common.config import EngineConfig
     from common.engine.async_llm import AsyncLLM
-    from common.engine.llm_engine import LLMEngine
-    from common.engine.scheduler import ContinuousScheduler, StaticScheduler
+    from common.engine.parts import assemble_engine
+    from common.core.scheduler import ContinuousScheduler, StaticScheduler
     from common.entrypoints.api_server import build_app, build_engine_chat_app
     from common.loader import load_model
     from common.sampling_params import SamplingParams
@@ -219,7 +219,7 @@ NO_XGRAMMAR = textwrap.dedent("""
         "05": dict(scheduler_cls=ContinuousScheduler, config=EngineConfig(
             dtype="float32", enable_prefix_caching=True, device_memory_gb=2.0))}
     for chapter, parts in engines.items():  # chapter 03's blocks hold 8,192 tokens each
-        engine = LLMEngine(parts["config"], scheduler_cls=parts["scheduler_cls"],
+        engine = assemble_engine(parts["config"], scheduler_cls=parts["scheduler_cls"],
                            loaded=loaded, num_blocks=2 if chapter == "03" else 16)
         engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
         done = []
@@ -227,7 +227,7 @@ NO_XGRAMMAR = textwrap.dedent("""
             done += [o for o in engine.step() if o.finished]
         assert len(done[0].outputs[0].token_ids) == 4, chapter
         print("engine", chapter, "ok")
-    engine = AsyncLLM(LLMEngine(engines["05"]["config"], loaded=loaded, num_blocks=16))
+    engine = AsyncLLM(assemble_engine(engines["05"]["config"], loaded=loaded, num_blocks=16))
     for chapter, app in (("05", build_engine_chat_app("ch05", engine, "m", "05")),
                          ("06", build_app(engine, "m", chapter="06"))):
         answer = TestClient(app).post("/v1/chat/completions", json={
@@ -235,8 +235,8 @@ NO_XGRAMMAR = textwrap.dedent("""
         assert answer.status_code == 200, answer.text
         print("server", chapter, "ok")
     engine.close()
-    loaded_later = [m for m in ("xgrammar", "common.engine.structured_output",
-                                "common.engine.spec_decode", "common.engine.ngram_proposer",
+    loaded_later = [m for m in ("xgrammar", "common.structured_output.manager",
+                                "common.spec_decode.speculative", "common.spec_decode.ngram_proposer",
                                 "common.layers.rejection_sampler", "common.layers.token_bitmask")
                     if sys.modules.get(m) is not None]
     assert loaded_later == [], loaded_later
@@ -258,7 +258,7 @@ def test_chapters_03_to_06_build_and_generate_without_xgrammar():
 def test_chapter_07_is_the_first_to_need_xgrammar():
     """Its server imports the grammar step at the top: without xgrammar it fails."""
     source = (ROOT / CHAPTERS["07"] / "server.py").read_text()
-    assert "from common.engine.structured_output import StructuredOutputManager" in source
+    assert "from common.structured_output.manager import StructuredOutputManager" in source
     for chapter in ("03", "04", "05", "06"):
         text = (ROOT / CHAPTERS[chapter] / "server.py").read_text()
         assert "structured_output" not in text and "spec_decode" not in text

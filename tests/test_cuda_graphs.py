@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.cuda_graphs import DecodeInputs, graph_batch_size
+from common.worker.cuda_graphs import DecodeInputs, graph_batch_size
 from common.layers.attention import AttentionMetadata
 from tests.engine_helpers import greedy, make_engine, run_all
 

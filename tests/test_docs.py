@@ -3,7 +3,7 @@ exists, and name only results files that exist.
 
 What a page quotes in `code spans` and code blocks is checked three ways:
 
-- a path into the repository (`common/engine/scheduler.py`,
+- a path into the repository (`common/core/scheduler.py`,
   `bench/results/2026-11-30-vm.md`, `04-paged-attention/server.py`) must
   exist, and so must a module written with dots (`common.entrypoints.llm`);
 - `Class.member` where Class is one of the course's classes: the member

@@ -35,7 +35,7 @@ from common.config import EngineConfig
 from common.engine.core import EngineCoreSpec
 from common.engine.core_client import AsyncMPClient, combine_snapshots
 from common.engine.serial import decode, encode
-from common.engine.stats import FinishedRequestStats, IterationStats
+from common.metrics.stats import FinishedRequestStats, IterationStats
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
 from common.outputs import CompletionOutput, FinishReason, RequestOutput

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from bench.loadtest import run_load
-from common.engine.kv_events import KVEventBatch
+from common.metrics.kv_events import KVEventBatch
 from common.entrypoints.live_view import HISTORY, VIEWER_QUEUE, LiveView
 from tests.conftest import ROOT
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine.output_processor import OutputProcessor
-from common.engine.sequence import Sequence
+from common.core.sequence import Sequence
 from common.layers.sampler import SampledToken
 from common.sampling_params import RequestOutputKind, SamplingParams
 

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from common.config import EngineConfig
-from common.engine.kv_cache import KVCache, num_blocks_for_card
+from common.worker.kv_cache import KVCache, num_blocks_for_card
 from common.engine.llm_engine import LLMEngine
+from common.engine.parts import assemble_engine
 from common.layers import quantization as quant
 from common.loader import apply_chat_template, load_model
 from common.models.llama import LLAMA_LINEARS
@@ -119,7 +120,7 @@ def fresh_embedded():
 
 def engine_for(loaded, scheme, quant_ops=None, **config) -> LLMEngine:
     config.setdefault("device_memory_gb", 2.0)
-    return LLMEngine(EngineConfig(quantization=scheme, **config), loaded=loaded,
+    return assemble_engine(EngineConfig(quantization=scheme, **config), loaded=loaded,
                      quant_ops=quant_ops)
 
 

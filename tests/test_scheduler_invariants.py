@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.engine.block_manager import BlockManager
-from common.engine.scheduler import StaticScheduler
-from common.engine.sequence import Sequence, SequenceStatus
+from common.core.block_manager import BlockManager
+from common.core.scheduler import StaticScheduler
+from common.core.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken
 from common.outputs import FinishReason
 from common.sampling_params import SamplingParams

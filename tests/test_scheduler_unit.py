@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.block_manager import BlockManager
-from common.engine.scheduler import StaticScheduler
-from common.engine.sequence import Sequence, SequenceStatus
+from common.core.block_manager import BlockManager
+from common.core.scheduler import StaticScheduler
+from common.core.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken, SamplingFailed
 from common.sampling_params import SamplingParams
 

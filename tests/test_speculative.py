@@ -11,7 +11,7 @@ import torch
 
 from bench.peers.vllm_diff import PROMPT_SET
 from common.config import SpeculativeConfig
-from common.engine.ngram_proposer import NgramProposer
+from common.spec_decode.ngram_proposer import NgramProposer
 from common.layers.rejection_sampler import greedy_verify
 from common.loader import apply_chat_template
 from common.sampling_params import SamplingParams, StructuredOutputsParams

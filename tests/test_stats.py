@@ -1,4 +1,4 @@
-"""The engine's per-step figures (common/engine/stats.py), without a model
+"""The engine's per-step figures (common/metrics/stats.py), without a model
 first: the output processor driven step by step with given timestamps, as
 the engine drives it; then Prometheus' `Metrics` fed an IterationStats;
 then the stat loggers of a real engine (the embedded model)."""
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from common.engine.output_processor import OutputProcessor
-from common.engine.sequence import Sequence
-from common.engine.stats import FinishedRequestStats, IterationStats
+from common.core.sequence import Sequence
+from common.metrics.stats import FinishedRequestStats, IterationStats
 from common.entrypoints.metrics import Metrics
 from common.layers.sampler import SampledToken
 from common.sampling_params import RequestOutputKind, SamplingParams

@@ -1,5 +1,5 @@
-"""The engine's step events (common/engine/step_events.py) and vLLM's KV
-events (common/engine/kv_events.py), on a tiny random Llama: what the live
+"""The engine's step events (common/metrics/step_events.py) and vLLM's KV
+events (common/metrics/kv_events.py), on a tiny random Llama: what the live
 view draws must be the engine's state at that step."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from common.config import KVEventsConfig
-from common.engine.kv_events import KVEventBatch
-from common.engine.step_events import JsonlRecorder
+from common.metrics.kv_events import KVEventBatch
+from common.metrics.step_events import JsonlRecorder
 from common.sampling_params import SamplingParams
 from tests.engine_helpers import make_engine, run_all
 

@@ -15,7 +15,7 @@ import requests
 import torch
 import xgrammar as xgr
 
-from common.engine.structured_output import StructuredOutputManager, choice_grammar
+from common.structured_output.manager import StructuredOutputManager, choice_grammar
 from common.layers.token_bitmask import allocate_token_bitmask
 from common.loader import apply_chat_template
 from common.sampling_params import SamplingParams, StructuredOutputsParams
@@ -255,7 +255,7 @@ def test_eos_only_where_the_grammar_may_end(engine, embedded):
 
 
 def test_a_bad_grammar_is_refused_before_it_runs(engine):
-    from common.engine.structured_output import GrammarError
+    from common.structured_output.manager import GrammarError
     with pytest.raises(GrammarError, match="regex"):
         engine.check_request(5, constrained(regex="[0-9]{3"))
     with pytest.raises(ValueError, match="exactly one"):

@@ -27,7 +27,8 @@ from transformers import GPT2Config
 from common.config import ConfigError, EngineConfig
 from common.engine.async_llm import AsyncLLM, EngineDeadError
 from common.engine.llm_engine import LLMEngine
-from common.engine.tp_workers import RankDiedError
+from common.engine.parts import assemble_engine
+from common.worker.worker import RankDiedError
 from common.layers.parallel import vocab_shard
 from common.models import check_tensor_parallel
 from common.loader import apply_chat_template
@@ -42,7 +43,7 @@ HANG_GUARD_S = 60.0  # bounds a failure only; no assertion on time
 def tp_engine(model: str, tp: int, num_blocks: int | None = None, **config) -> LLMEngine:
     """An engine that loads its own model (rank 0 shards it in place)."""
     load_format = "dummy" if model == "tiny-llama" else "auto"
-    return LLMEngine(EngineConfig(model=model, load_format=load_format, dtype="float32",
+    return assemble_engine(EngineConfig(model=model, load_format=load_format, dtype="float32",
                                   device="cpu", tensor_parallel_size=tp, **config),
                      num_blocks=num_blocks)
 
@@ -85,7 +86,7 @@ def test_tp3_embedded_gives_the_tokens_of_tp1_and_hf(embedded, prompts):
 
 def test_tp2_is_refused_for_9_heads_and_3_kv_heads(embedded):
     with pytest.raises(ConfigError) as info:
-        LLMEngine(EngineConfig(tensor_parallel_size=2), loaded=embedded)
+        assemble_engine(EngineConfig(tensor_parallel_size=2), loaded=embedded)
     message = str(info.value)
     assert "Total number of attention heads (9) must be divisible by tensor parallel " \
            "size (2)" in message

@@ -21,7 +21,7 @@ tests/test_ch05_scheduler.py), which build the real engine with your
 class too. exercises/README.md has the
 tasks in order and the hints; a failing test names the hint to read
 first. Once every test passes, compare your class with
-common/engine/block_manager.py, the one the servers run.
+common/core/block_manager.py, the one the servers run.
 
 Given: `Block`, `KVCacheUsage` (what `usage` returns), the constructor's
 state, `_block_tokens`. Left out, as in the course's class: swapping
@@ -34,7 +34,7 @@ back the blocks that only rejected drafts used). Both serve chapter 07's
 speculative decoding, which comes later; the tests that grade this
 exercise never pass drafts, and chapter 07 runs the course's class.
 
-Which fields of a `Sequence` (common/engine/sequence.py) you write:
+Which fields of a `Sequence` (common/core/sequence.py) you write:
 `block_table`, `num_computed_tokens` (only in `allocate`, to the cached
 prefix, and in `deallocate`, back to 0: the scheduler advances it after
 each step), `num_cached_tokens`, `block_hashes`, `num_registered_blocks`.
@@ -44,8 +44,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.engine.block_manager import KVCacheUsage
-from common.engine.sequence import Sequence
+from common.core.block_manager import KVCacheUsage
+from common.core.sequence import Sequence
 
 
 def compute_block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:

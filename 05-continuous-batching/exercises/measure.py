@@ -81,10 +81,11 @@ def steps(budget: int, prefix_caching: bool, loaded) -> dict:
     from bench.loadtest import prompt_messages
     from common.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
+    from common.engine.parts import assemble_engine
     from common.loader import apply_chat_template
     from common.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(device_memory_gb=1.1, dtype="float32",
+    engine = assemble_engine(EngineConfig(device_memory_gb=1.1, dtype="float32",
                                     max_num_batched_tokens=budget,
                                     enable_prefix_caching=prefix_caching), loaded=loaded)
     for i in range(16):

@@ -32,7 +32,7 @@ tests/test_ch05_scheduler.py (the real engine: your scheduler must give
 HF's greedy tokens). exercises/README.md has the tasks in order and the
 hints; a failing test names the hint to read first. Once every test
 passes, compare your class with `Scheduler` + `ContinuousScheduler` in
-common/engine/scheduler.py, the one the servers run.
+common/core/scheduler.py, the one the servers run.
 
 Given: the constructor, `add`, `has_unfinished`, `finish`. Left out, as in
 the course's scheduler: priorities, swapping preempted blocks to CPU
@@ -52,9 +52,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from common.engine.block_manager import BlockManager
-from common.engine.scheduler import ScheduledSeq  # (seq, num_new_tokens); .samples
-from common.engine.sequence import Sequence, SequenceStatus
+from common.core.block_manager import BlockManager
+from common.core.scheduler import ScheduledSeq  # (seq, num_new_tokens); .samples
+from common.core.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken, SamplingFailed
 
 

@@ -11,7 +11,7 @@ server (or Grafana, or `curl`) can read:
 - `LatencyStatLogger`, the latency half of vLLM's
   `PrometheusStatLogger.record`: the engine times every token itself,
   once per step, and after each step hands every stat logger that step's
-  `IterationStats` (common/engine/stats.py); `record` observes its time
+  `IterationStats` (common/metrics/stats.py); `record` observes its time
   to first token, inter-token latencies, and for each request that
   finished its end-to-end latency and queue time, into the histograms
   of the `Metrics` object it is given.
@@ -103,7 +103,7 @@ class LatencyStatLogger:
         self.metrics = metrics
 
     def record(self, iteration_stats) -> None:
-        """One engine step (an `IterationStats`, common/engine/stats.py; its
+        """One engine step (an `IterationStats`, common/metrics/stats.py; its
         times are seconds, measured by the engine at the step's one
         timestamp, for every request, streamed or not):
 

@@ -127,7 +127,7 @@ def fill_us(grammar, bitmask: torch.Tensor) -> tuple[float, float]:
 
 def worked_example(loaded) -> None:
     from common.autoregressive import eos_token_ids
-    from common.engine.structured_output import StructuredOutputManager
+    from common.structured_output.manager import StructuredOutputManager
     from common.sampling_params import StructuredOutputsParams
     tok = loaded.tokenizer
     eos = sorted(eos_token_ids(loaded.model, tok))

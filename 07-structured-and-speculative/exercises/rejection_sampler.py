@@ -1,7 +1,7 @@
 """Exercise 07b: the rejection sampler of speculative decoding.
 
 A speculating sequence feeds its last token plus k draft tokens
-d_1..d_k (guessed by the n-gram proposer, common/engine/ngram_proposer.py)
+d_1..d_k (guessed by the n-gram proposer, common/spec_decode/ngram_proposer.py)
 as one short prefill chunk. The forward pass gives k + 1 rows: row j is
 the model's next-token distribution p_j after the tokens up to d_j
 (row 0: after the sequence's last real token). You write the rule that

@@ -5,7 +5,7 @@ hold: before the sampler, every token the grammar does not allow at this
 position gets a logit of -inf. Temperature, top-k/p and the softmax then
 only ever see allowed tokens, and greedy picks the best allowed one.
 
-The grammar matcher (xgrammar's, common/engine/structured_output.py)
+The grammar matcher (xgrammar's, common/structured_output/manager.py)
 says which tokens are allowed as a *bitmask*, 32 tokens per int32 word:
 
     bitmask: (num_rows, ceil(vocab / 32)) int32
@@ -16,7 +16,7 @@ Row i of the bitmask belongs to row i of the logits (one row per
 constrained sequence, or with speculative decoding one per position
 checked). The engine's grammar step calls `apply_token_bitmask(logits,
 bitmask)` on the rows of the step's constrained sequences
-(`StructuredOutputManager.apply` in common/engine/structured_output.py,
+(`StructuredOutputManager.apply` in common/structured_output/manager.py,
 a logits processor of the model runner), then samples as usual.
 
 Graded by `make exercise CH=07a` (the tests marked `ex07a` in
@@ -34,7 +34,7 @@ Left out, as in the course's function: a fused kernel (vLLM calls
 xgrammar's CUDA or Triton one; this works in plain PyTorch on any
 device). Nothing else: the course's module is these two functions, and
 the grammar that fills the bitmask (xgrammar's matcher, driven by
-common/engine/structured_output.py) is given.
+common/structured_output/manager.py) is given.
 """
 from __future__ import annotations
 

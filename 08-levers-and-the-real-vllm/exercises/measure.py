@@ -174,7 +174,7 @@ def dequantize_then_linear(x, layer):
 def tokens(loaded, max_tokens: int) -> dict:
     """Greedy tokens through the engine: float32, int8, int8 as its definition."""
     from common.config import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+    from common.engine.parts import assemble_engine
     from common.loader import apply_chat_template
     from tests.conftest import PROMPTS
     from tests.engine_helpers import greedy, run_all
@@ -185,7 +185,7 @@ def tokens(loaded, max_tokens: int) -> dict:
             "int8_dequantize_then_linear": ("int8", definition)}
     out = {}
     for name, (scheme, ops) in runs.items():
-        engine = LLMEngine(EngineConfig(quantization=scheme, device_memory_gb=2.0),
+        engine = assemble_engine(EngineConfig(quantization=scheme, device_memory_gb=2.0),
                            loaded=fresh(loaded), quant_ops=ops)
         started = time.perf_counter()
         done = run_all(engine, prompts, greedy(max_tokens))

@@ -49,6 +49,7 @@ from bench.bench import bf16_words, machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.parts import assemble_engine
 from common.layers.quantization import ReferenceQuantOps
 from common.loader import (
     apply_chat_template,
@@ -89,7 +90,7 @@ def build_engine(lever: str, load: Load) -> LLMEngine:
                           max_num_seqs=max(load.clients, 1), enable_prefix_caching=False,
                           **flags)
     loaded = load_model(config.model, config.dtype, config.device)  # a fresh copy each
-    return LLMEngine(config, loaded=loaded, log_interval_s=1e9, quant_ops=QUANT_OPS.get(lever))
+    return assemble_engine(config, loaded=loaded, log_interval_s=1e9, quant_ops=QUANT_OPS.get(lever))
 
 
 def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int

@@ -37,7 +37,8 @@ from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import PROMPTS, ROOT
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from common.engine.parts import EngineParts, assemble_engine
+from common.structured_output.manager import StructuredOutputGrammar, StructuredOutputManager
 from common.loader import apply_chat_template, load_model
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -166,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     loaded = load_model("smollm2", dtype=args.dtype, device="cpu")
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, device_memory_gb=2.0,
-                                    enable_prefix_caching=True), loaded=loaded,
-                       structured_output_cls=StructuredOutputManager)
+    engine = assemble_engine(EngineConfig(dtype=args.dtype, device_memory_gb=2.0,
+                                          enable_prefix_caching=True),
+                             EngineParts(structured_output_cls=StructuredOutputManager),
+                             loaded=loaded)
     prompts = [apply_chat_template(loaded.tokenizer, [{"role": "user", "content":
                f"{q} Answer with a JSON list of at least 40 words."}]) for q in PROMPTS]
     step_times(engine, prompts, SamplingParams(temperature=0, max_tokens=8), args.seqs)  # warm

@@ -41,7 +41,8 @@ from bench.bench import bf16_words, machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.worker import RankReport
+from common.engine.parts import assemble_engine
+from common.worker.worker import RankReport
 from common.loader import apply_chat_template, load_model
 from common.memory import MiB
 from common.sampling_params import SamplingParams
@@ -110,7 +111,7 @@ def measure(tp: int, card_gb: float, prompts: list[list[int]], max_tokens: int) 
     config = EngineConfig(device="cpu", dtype="float32", device_memory_gb=card_gb,
                           max_num_seqs=max(len(prompts), 1), tensor_parallel_size=tp)
     start = time.perf_counter()
-    engine = LLMEngine(config, log_interval_s=1e9)
+    engine = assemble_engine(config, log_interval_s=1e9)
     startup = time.perf_counter() - start
     try:
         cfg = engine.loaded.model.config

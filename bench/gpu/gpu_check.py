@@ -111,7 +111,7 @@ def step_kernels(step: Step, budget: float) -> None:
 def step_equivalence(step: Step, budget: float) -> None:
     """Our engine vs HF generate, greedy float32 on CUDA, eager and graphed."""
     from common.config import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+    from common.engine.parts import assemble_engine
     from common.loader import load_model
     from common.sampling_params import SamplingParams
 
@@ -126,7 +126,7 @@ def step_equivalence(step: Step, budget: float) -> None:
                                         max_new_tokens=24, do_sample=False, min_new_tokens=24)
             expected[request_id] = out[0, len(ids):].tolist()
         for eager in (True, False):
-            engine = LLMEngine(EngineConfig(model=name, dtype="float32", device="cuda",
+            engine = assemble_engine(EngineConfig(model=name, dtype="float32", device="cuda",
                                             load_format="dummy", enforce_eager=eager),
                                loaded=loaded, num_blocks=64)
             params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

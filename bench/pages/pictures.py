@@ -90,7 +90,7 @@ class Run:
     """One trace: a chapter's engine (its scheduler and settings, a pool of
     `num_blocks`) under a load."""
     chapter: str
-    scheduler: str  # a class of common/engine/scheduler.py
+    scheduler: str  # a class of common/core/scheduler.py
     settings: dict  # EngineConfig fields
     num_blocks: int
     load: Load
@@ -169,7 +169,7 @@ class StepRecorder:
 
 def trace_from_recording(path: Path) -> dict:
     """A live view's recording (`--record-events FILE`: the engine's own step
-    events, common/engine/step_events.py) as a trace `draw_kv_pool` reads:
+    events, common/metrics/step_events.py) as a trace `draw_kv_pool` reads:
     the pool after each step, each running request's table and tokens."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     config, frames = lines[0], [f for f in lines[1:] if f.get("type") == "step"]
@@ -226,16 +226,16 @@ def drive(engine, prompts: list[list[int]], load: Load) -> list[dict]:
 def record_run(name: str, loaded) -> dict:
     """One chapter's engine under its load: the trace as a JSON-able dict."""
     from common.config import EngineConfig
-    from common.engine import scheduler as schedulers
-    from common.engine.llm_engine import LLMEngine
+    from common.core import scheduler as schedulers
+    from common.engine.parts import EngineParts, assemble_engine
     run = RUNS[name]
     load = run.load
     config = EngineConfig(model="smollm2", dtype="float32", device="cpu",
                           max_model_len=load.max_model_len,
                           long_prefill_token_threshold=load.long_prefill_token_threshold,
                           **run.settings)
-    engine = LLMEngine(config, scheduler_cls=getattr(schedulers, run.scheduler),
-                       loaded=loaded, num_blocks=run.num_blocks)
+    engine = assemble_engine(config, EngineParts(scheduler_cls=getattr(schedulers, run.scheduler)),
+                             loaded=loaded, num_blocks=run.num_blocks)
     prompts = load_prompts(loaded.tokenizer, load)
     steps = drive(engine, prompts, load)
     engine.close()

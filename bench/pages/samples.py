@@ -181,7 +181,7 @@ def traces() -> dict:
     """Chunked prefill (no cap, then the default cap) and preemption, on
     chapter 05's engine in-process, float32."""
     from common.config import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+    from common.engine.parts import assemble_engine
     from common.loader import apply_chat_template, load_model
     from common.sampling_params import SamplingParams
 
@@ -191,7 +191,7 @@ def traces() -> dict:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     out = {}
     for title, cap in (("chunked prefill, no cap", 0), ("chunked prefill, default cap", None)):
-        engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=64,
+        engine = assemble_engine(EngineConfig(dtype="float32", max_num_batched_tokens=64,
                                         long_prefill_token_threshold=cap,
                                         device_memory_gb=2.0), loaded=loaded)
         engine.add_request("A", prompts[0], params)
@@ -199,7 +199,7 @@ def traces() -> dict:
             engine.step()
         engine.add_request("B", long_prompt, params)
         out[title] = _traced(engine, {"A": "A", "B": "B"}, steps=8)
-    engine = LLMEngine(EngineConfig(dtype="float32", device_memory_gb=2.0), loaded=loaded,
+    engine = assemble_engine(EngineConfig(dtype="float32", device_memory_gb=2.0), loaded=loaded,
                        num_blocks=14)
     for name, prompt in zip("XYZ", prompts):
         engine.add_request(name, prompt, params)

@@ -46,10 +46,10 @@ AIM = 0.97
 def step_times(blocks: int = STEP_BLOCKS, steps: int = STEPS_PER_BLOCK) -> dict:
     """Median decode-step time, events off and on in turn, 32 sequences."""
     from common.config import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+    from common.engine.parts import assemble_engine
     from common.entrypoints.live_view import LiveView
     from common.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", device_memory_gb=float(CARD)))
+    engine = assemble_engine(EngineConfig(dtype="float32", device="cpu", device_memory_gb=float(CARD)))
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     prompt = engine.tokenizer("Tell me a long story about the sea.")["input_ids"]
     for i in range(CLIENTS):

@@ -55,6 +55,7 @@ from bench.profiles.gemm_bandwidth import read_bandwidth_gb_s
 from bench.experiments.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.parts import assemble_engine
 from common.layers import attention as attention_module
 from common.layers import cpu_gemm
 from common.layers.attention import TorchOps
@@ -298,7 +299,7 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
             warm_steps: int, rounds: int) -> dict:
     config = EngineConfig(device="cpu", dtype=dtype, device_memory_gb=card_gb,
                           max_num_seqs=seqs, enable_prefix_caching=True)
-    engine = LLMEngine(config, loaded=loaded, log_interval_s=1e9)
+    engine = assemble_engine(config, loaded=loaded, log_interval_s=1e9)
     prompts = [apply_chat_template(loaded.tokenizer, prompt_messages(i)) for i in range(seqs)]
     # The whole load, offline: output tokens/s of the engine alone.
     start_load(engine, prompts, max_tokens)

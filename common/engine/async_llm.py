@@ -44,9 +44,9 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from common.engine.llm_engine import LLMEngine
-from common.engine.step_events import StepEvents
-from common.engine.tp_workers import RankDiedError
+from common.engine.llm_engine import LLMEngine, step_or_fail
+from common.metrics.step_events import StepEvents
+from common.worker.worker import RankDiedError
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -182,24 +182,6 @@ class EngineClient:
         self.died.set()
         for request_id in list(self._streams):
             self._send(request_id, EngineDeadError(f"the engine loop died: {exc!r}"))
-
-
-def step_or_fail(engine: LLMEngine) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-    """One `engine.step()`. A step that fails as a whole (the forward
-    pass) aborts the requests in it: they come back as (request id, error)
-    and the engine keeps serving. A tensor-parallel rank that died (ch08:
-    `RankDiedError`) is raised: no step can run any more."""
-    try:
-        return engine.step(), []
-    except RankDiedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-        log.exception("engine step failed; aborting the requests in flight")
-        failed = [(request_id, f"internal engine error: {exc!r}")
-                  for request_id in list(engine.sequences)]
-        for request_id, _ in failed:
-            engine.abort(request_id)
-        return [], failed
 
 
 class AsyncLLM(EngineClient):

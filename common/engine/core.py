@@ -39,16 +39,15 @@ import enum
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
 import zmq
 
 from common.config import EngineConfig
-from common.engine.async_llm import step_or_fail
-from common.engine.llm_engine import LLMEngine
-from common.engine.scheduler import ContinuousScheduler, Scheduler
+from common.engine.llm_engine import LLMEngine, step_or_fail
+from common.engine.parts import EngineParts, assemble_engine
 from common.engine.serial import decode, encode
 
 log = logging.getLogger("llm-course")
@@ -73,16 +72,14 @@ class EngineCoreOutputType(enum.IntEnum):
 
 @dataclass
 class EngineCoreSpec:
-    """What a process needs to build its engine: picklable (the process is
-    spawned), unlike the lambda that ch03-08's servers pass to AsyncLLM."""
+    """What a process needs to build its engine: the flags and the
+    chapter's parts, both picklable (the process is spawned)."""
     config: EngineConfig
-    scheduler_cls: type[Scheduler] = ContinuousScheduler
-    structured_output_cls: type | None = None  # ch07: the grammar step
+    parts: EngineParts = field(default_factory=EngineParts)
     cpus: list[int] | None = None  # pin to these cores (None: all of them)
 
     def build(self) -> LLMEngine:
-        return LLMEngine(self.config, scheduler_cls=self.scheduler_cls,
-                         structured_output_cls=self.structured_output_cls)
+        return assemble_engine(self.config, self.parts)
 
 
 class StepStatsBuffer:

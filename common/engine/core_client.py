@@ -54,9 +54,9 @@ from common.engine.core import (
     EngineCoreSpec,
     run_engine_core,
 )
-from common.engine.llm_engine import DEFAULT_MAX_TOKENS, Admission
+from common.engine.admission import DEFAULT_MAX_TOKENS, Admission
 from common.engine.serial import decode, encode
-from common.engine.stats import StatLoggers
+from common.metrics.stats import StatLoggers
 from common.loader import load_tokenizer
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -192,9 +192,9 @@ class AsyncMPClient(EngineClient):
         engine.snapshot = ready["snapshot"]
         self._publish()
         self.structured_output = None  # ch07: compiled here too, to answer 400 at once
-        if self.spec.structured_output_cls is not None:
+        if self.spec.parts.structured_output_cls is not None:
             spec = self.spec.config.speculative_config
-            self.structured_output = self.spec.structured_output_cls(
+            self.structured_output = self.spec.parts.structured_output_cls(
                 self.tokenizer, ready["model_vocab_size"], ready["eos_token_ids"],
                 spec.num_speculative_tokens if spec else 0)
 

@@ -1,45 +1,32 @@
-"""LLMEngine (ch03-08): add_request / step / abort.
+"""LLMEngine (ch03-08): add_request / step / abort, on the parts it is given.
 
-`LLMEngine.step()` is one iteration, as in nano-vllm:
+`LLMEngine.step()` is one iteration, as in nano-vllm, the same in every
+chapter:
 
-    batch   = scheduler.schedule()                  # who runs, how many tokens each
-    stats_collector.observe_scheduled(batch)        # admissions, prompt tokens
-    sampled = model_runner.execute_model(batch)     # one forward pass, one sampling step
-    stats_collector.observe_sampled(batch, sampled) # ch07: drafts checked, accepted
-    seqs    = scheduler.update_from_output(batch, sampled)  # append, finish, free
-    iteration_stats = stats_collector.new_iteration()  # every new token's time
-    outputs = output_processor.process(seqs, iteration_stats)  # text, stops, deltas
-    stats_collector.observe_step(iteration_stats, outputs)  # totals, loggers, log line
-    step_events.observe_step(iteration_stats, outputs)  # when watched: the step's frame
+    batch   = scheduler.schedule()                    # 1 who runs, how many tokens each
+    observers: observe_scheduled(batch)
+    sampled = model_runner.execute_model(batch)       # 2 one forward pass, one sampling step
+    observers: observe_sampled(batch, sampled)
+    outputs = self.process_outputs(batch, sampled)    # 3 append, finish, free; text, stops
+    observers: observe_step(iteration_stats, outputs) # 4 the figures, the live view
+
+The engine receives its parts built (common/engine/parts.py:
+`assemble_engine`, from the chapter's `EngineParts`): the scheduler
+(`StaticScheduler` ch03-04, `ContinuousScheduler` ch05, with drafts ch07),
+its block manager, rank 0's `Worker` (device, weights, card, KV cache and
+the `ModelRunner` with its sampling step and logits processors), the
+output processor and the observers (common/metrics/: the figures, and the
+step events once something watches). What a chapter switches on is a part,
+never a branch in the step.
 
 The engine trusts its requests: the entrypoints (the HTTP servers, the
 offline `LLM`) validate each one once with `check_request` before
 `add_request`. One request's failure while sampling or processing its
 output finishes that request with an error; the others go on.
 
-The components a chapter switches on are arguments, never branches in the
-step: the scheduler's type (`StaticScheduler` ch03-04,
-`ContinuousScheduler` ch05), a type in the config (`block_size=None` is
-chapter 03's one block of `max_model_len` slots per sequence, a contiguous
-region; an int chapter 04's small blocks), and chapter 07's two:
-`structured_output_cls` (the grammar's logits step,
-common/engine/structured_output.py, which needs xgrammar) and
-`--speculative-config`, which swaps in the `SpeculativeScheduler` and the
-model runner's `SpeculativeSampling` (common/engine/spec_decode.py). Both
-modules are imported only when they are asked for.
-
-The model's side (device, weights, card, KV cache, `ModelRunner`) is this
-rank's `Worker` (common/engine/worker.py), built by the same
-`build_worker` as every other rank. ch08, `--tensor-parallel-size N`: this
-process is rank 0 (scheduler, sampler and output processing run here,
-once); ranks 1..N-1 run in worker processes that it starts
-(common/engine/tp_workers.py) and stops in `close()`. The scheduler sees
-one cache of `num_blocks` blocks; each rank holds its KV heads' part of
-every block.
-
-The figures (running totals, every new token's time, the periodic log
-line, the stat loggers such as chapter 06's Prometheus `Metrics`) are the
-`StatsCollector`'s (common/engine/stats.py).
+ch08, `--tensor-parallel-size N`: this process is rank 0 (scheduler,
+sampler and output processing run here, once); ranks 1..N-1 run in worker
+processes (common/worker/tp_workers.py), stopped in `close()`.
 
 Left out: LoRA, multimodal inputs. The async fronts that servers use are
 common/engine/async_llm.py (the engine on a thread of the server's
@@ -48,161 +35,71 @@ process of its own: common/engine/core.py).
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from common.autoregressive import eos_token_ids
 from common.config import EngineConfig
-from common.engine.block_manager import BlockManager, KVCacheUsage
-from common.engine.kv_cache import KVCache
+from common.core.block_manager import KVCacheUsage
+from common.core.scheduler import Scheduler
+from common.core.sequence import Sequence
+from common.engine.admission import DEFAULT_MAX_TOKENS, Admission
 from common.engine.output_processor import OutputProcessor
-from common.engine.scheduler import ContinuousScheduler, Scheduler
-from common.engine.sequence import Sequence
-from common.engine.stats import EngineStats, StatsCollector
-from common.engine.step_events import JsonlRecorder, StepEvents
-from common.engine.tp_workers import TPWorkers, start_ranks
-from common.engine.worker import build_worker
 from common.layers.sampler import RequestSamplingState
-from common.loader import LoadedModel, load_model
-from common.models import check_tensor_parallel
+from common.loader import LoadedModel
+from common.metrics.observers import StepObserver
+from common.metrics.stats import EngineStats, IterationStats, StatsCollector
+from common.metrics.step_events import StepEvents
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
+from common.worker.kv_cache import KVCache
+from common.worker.model_runner import SampledTokens
+from common.worker.worker import RankDiedError, Worker
+
+log = logging.getLogger("llm-course")
 
 LOG_INTERVAL_S = 5.0
-DEFAULT_MAX_TOKENS = 256  # when a request gives none (chapter 06 fills the context)
-
-
-class ContextLengthError(ValueError):
-    """The prompt plus the completion do not fit in `max_model_len`."""
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """The context rule, for every chapter (01-02 have no engine)."""
-    total = num_prompt_tokens + max_tokens
-    if num_prompt_tokens >= max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens. However, "
-            f"your prompt has {num_prompt_tokens} tokens, which leaves no room for a "
-            "completion. Please reduce the length of the prompt.")
-    if total > max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens. However, "
-            f"you requested {total} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the length of the prompt "
-            "or of the completion.")
-
-
-def default_max_tokens(num_prompt_tokens: int, room: int,
-                       cap: int | None = DEFAULT_MAX_TOKENS) -> int:
-    """max_tokens for a request that gives none, when `room` tokens fit in
-    all: what is left, at most `cap` (None: no cap, vLLM's rule, chapter
-    06). At least 1, so that a prompt too long fails the context check."""
-    left = room - num_prompt_tokens
-    return max(1, left if cap is None else min(cap, left))
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The engine's admission rules, from its sizes alone: what a front in
-    another process (chapter 09) checks without asking the engine."""
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-
-    def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse at once what could never run (instead of hanging)."""
-        if num_prompt_tokens == 0:
-            raise ValueError("The decoder prompt cannot be empty")  # vLLM's words
-        check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
-        needed = -(-(num_prompt_tokens + params.max_tokens) // self.block_size)  # ceil
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"The request needs up to {needed} KV blocks but the cache only has "
-                f"{self.num_blocks}: it can never fit on this card.")
-
-    def default_max_tokens(self, num_prompt_tokens: int,
-                           cap: int | None = DEFAULT_MAX_TOKENS) -> int:
-        """What fits in the context and in the whole cache, at most `cap`."""
-        return default_max_tokens(num_prompt_tokens,
-                                  min(self.max_model_len, self.num_blocks * self.block_size), cap)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig,
-                 scheduler_cls: type[Scheduler] = ContinuousScheduler,  # ch05: the default
-                 loaded: LoadedModel | None = None, num_blocks: int | None = None,
-                 log_interval_s: float = LOG_INTERVAL_S,
-                 block_manager_cls: type[BlockManager] = BlockManager, attention_ops=None,
-                 quant_ops=None, structured_output_cls: type | None = None):
-        """`num_blocks`: a fixed cache size (tests) instead of sizing from the card.
-        `block_manager_cls`, `attention_ops`: the components, replaceable (the
-        exercises put the learner's in). `quant_ops`: how `--quantization`
-        multiplies (default: `worker.quant_ops_for` the device). With
-        `--quantization`, the model (`loaded`, if given) is quantized in place.
-        `structured_output_cls` (ch07): `StructuredOutputManager`, for
-        requests that constrain their answer."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, worker: Worker,
+                 scheduler: Scheduler, output_processor: OutputProcessor,
+                 stats_collector: StatsCollector, structured_output=None, tp_workers=None,
+                 step_events_cls: type[StepEvents] = StepEvents):
+        """The parts, built (common/engine/parts.py: `assemble_engine`).
+        `structured_output` (ch07): the grammar step, already among the
+        model runner's logits processors; the engine compiles each
+        request's grammar with it. `tp_workers` (ch08): ranks 1..N-1.
+        `step_events_cls`: what `enable_step_events` adds, when watched."""
         self.config = config
-        sampling_cls = None
-        if config.speculative_config is not None:  # ch07: drafts in the step and the sampler
-            from common.engine.spec_decode import speculative_components
-            scheduler_cls, sampling_cls = speculative_components(scheduler_cls,
-                                                                 config.speculative_config)
-        shared = loaded is not None  # the caller's model: HF's forward must still run on it
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                           config.load_format, config.seed)
-        self.tokenizer = self.loaded.tokenizer
-        self.vocab_size = min(len(self.tokenizer), self.loaded.model.config.vocab_size)
-        self.max_model_len = config.context_length(self.loaded.max_model_len)
-        # ch03: one block of max_model_len slots per sequence = a contiguous region.
-        self.block_size = config.block_size or self.max_model_len
-        check_tensor_parallel(self.loaded.model.config, config.tensor_parallel_size,
-                              config.quantization)  # ch08
-        self.workers: TPWorkers | None = None
-        if config.tensor_parallel_size > 1:  # ch08: ranks 1..N-1, a process each
-            self.workers = start_ranks(config, self.block_size, num_blocks)
-        build = partial(build_worker, config, 0, self.block_size, num_blocks, loaded=self.loaded,
-                        model_shared=shared, attention_ops=attention_ops, quant_ops=quant_ops)
-        self.worker = self.workers.build_rank0(build) if self.workers else build()  # rank 0
-        self.block_manager = block_manager_cls(self.worker.kv_cache.num_blocks, self.block_size,
-                                               config.enable_prefix_caching)  # ch04: blocks
-        self.eos_token_ids = eos_token_ids(self.loaded.model, self.tokenizer)
-        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs,
-                                       config.max_num_batched_tokens, self.eos_token_ids,
-                                       self.max_model_len,
-                                       long_prefill_token_threshold=config.prefill_cap)
-        runner = self.worker.model_runner
-        if sampling_cls is not None:
-            runner.sampling = sampling_cls()  # ch07: the rejection sampler for drafts
-        self.structured_output = None  # ch07: the grammar compiler and its logits step
-        if structured_output_cls is not None:
-            spec = config.speculative_config
-            self.structured_output = structured_output_cls(
-                self.tokenizer, self.loaded.model.config.vocab_size, sorted(self.eos_token_ids),
-                spec.num_speculative_tokens if spec else 0)
-            runner.logits_processors.append(self.structured_output)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = min(len(self.tokenizer), loaded.model.config.vocab_size)
+        self.worker = worker
+        self.model_runner = worker.model_runner
+        self.scheduler = scheduler
+        self.block_manager = scheduler.bm
+        self.block_size = self.block_manager.block_size
+        self.max_model_len = scheduler.max_model_len
+        self.eos_token_ids = scheduler.eos_token_ids
+        self.output_processor = output_processor
+        self.stats_collector = stats_collector
+        self.observers: list[StepObserver] = [stats_collector]  # + the step events, when watched
+        self.structured_output = structured_output
+        self.workers = tp_workers
+        self.step_events_cls = step_events_cls
+        self.step_events: StepEvents | None = None
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
-        self.stats_collector = StatsCollector(self.scheduler, self.block_manager,
-                                              config.enable_prefix_caching, log_interval_s)
         self._seed_counter = config.seed
         self.started_at = time.time()
-        # Each step as an event (the live view, --record-events, --kv-events-config);
-        # None: off, and the step does no extra work.
-        self.step_events: StepEvents | None = None
-        kv_events = config.kv_events_config
-        if kv_events is not None and kv_events.publishes:
-            self.enable_step_events().publish_kv_events(kv_events)
-        if config.record_events:
-            self.enable_step_events().subscribe(
-                JsonlRecorder(config.record_events, self.describe()))
 
     def enable_step_events(self) -> StepEvents:
-        """The step's events from now on (built once; call it between steps)."""
+        """The step's events from now on: one more observer (built once;
+        call it between steps)."""
         if self.step_events is None:
-            self.step_events = StepEvents(self)
+            self.step_events = self.step_events_cls(self)
+            self.observers = [*self.observers, self.step_events]
         return self.step_events
 
     def describe(self) -> dict:
@@ -220,8 +117,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers (ch08) and the event publishers."""
         if self.workers is not None:
             self.workers.shutdown()
-        if self.step_events is not None:
-            self.step_events.close()
+        for observer in self.observers:
+            observer.close()
 
     # ------------------------------------------------------------ requests
     @property
@@ -284,25 +181,31 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()                             # 1 schedule
         if not batch:
             return []
-        self.stats_collector.observe_scheduled(batch)
-        if self.step_events is not None:  # the live view: what each request feeds
-            self.step_events.observe_scheduled(batch)
-        sampled = self.worker.model_runner.execute_model(batch)
-        self.stats_collector.observe_sampled(batch, sampled)
+        for observer in self.observers:
+            observer.observe_scheduled(batch)
+        sampled = self.model_runner.execute_model(batch)              # 2 execute
+        for observer in self.observers:
+            observer.observe_sampled(batch, sampled)
+        iteration_stats = self.stats_collector.new_iteration()       # every new token's time
+        outputs = self.process_outputs(batch, sampled, iteration_stats)  # 3 process outputs
+        for observer in self.observers:                               # 4 notify
+            observer.observe_step(iteration_stats, outputs)
+        return outputs
+
+    def process_outputs(self, batch: list, sampled: SampledTokens,
+                        iteration_stats: IterationStats) -> list[RequestOutput]:
+        """The scheduler appends the tokens (and finishes, frees); the
+        output processor turns them into text, stops and deltas."""
         updated = self.scheduler.update_from_output(batch, sampled)
-        iteration_stats = self.stats_collector.new_iteration()  # every new token's time
         outputs, to_finish = self.output_processor.process(updated, iteration_stats)
         for finish in to_finish:  # stop strings, and failures while processing
             self.scheduler.finish(finish.seq, finish.reason, finish.error)
         for output in outputs:
             if output.finished:
                 del self.sequences[output.request_id]
-        self.stats_collector.observe_step(iteration_stats, outputs)
-        if self.step_events is not None:  # the live view: the step's frame
-            self.step_events.observe_step(iteration_stats, outputs)
         return outputs
 
     # ------------------------------------------------------------ figures
@@ -337,3 +240,22 @@ class LLMEngine:
                 **self.stats_collector.snapshot(
                     bytes_per_slot, speculating=self.config.speculative_config is not None),
                 "card": self.worker.card.describe()}
+
+
+def step_or_fail(engine: LLMEngine) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    """One `engine.step()`, for the loops that drive it (a thread, ch03-08;
+    an engine process, ch09). A step that fails as a whole (the forward
+    pass) aborts the requests in it: they come back as (request id, error)
+    and the engine keeps serving. A tensor-parallel rank that died (ch08:
+    `RankDiedError`) is raised: no step can run any more."""
+    try:
+        return engine.step(), []
+    except RankDiedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+        log.exception("engine step failed; aborting the requests in flight")
+        failed = [(request_id, f"internal engine error: {exc!r}")
+                  for request_id in list(engine.sequences)]
+        for request_id, _ in failed:
+            engine.abort(request_id)
+        return [], failed

@@ -18,7 +18,7 @@ new tokens: one, or with speculative decoding, ch07, up to k + 1)
    (whole answers, the offline `LLM`) everything, once, when the request
    finishes; the prompt's logprobs, if asked, go in its first output;
 4. (ch06) times the new token into the step's `IterationStats`
-   (common/engine/stats.py), whatever the output kind: the time to first
+   (common/metrics/stats.py), whatever the output kind: the time to first
    token or the gap since the request's previous token, all at the
    step's one timestamp, and a `FinishedRequestStats` when the request
    finishes (e2e, queue, prefill, decode and inference times, time per
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import ahocorasick
 
 from common.engine.detokenizer import IncrementalDetokenizer
-from common.engine.sequence import Sequence
-from common.engine.stats import IterationStats, RequestStateStats
+from common.core.sequence import Sequence
+from common.metrics.stats import IterationStats, RequestStateStats
 from common.outputs import CompletionOutput, FinishReason, RequestOutput
 from common.sampling_params import RequestOutputKind
 

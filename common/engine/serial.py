@@ -25,8 +25,8 @@ from typing import Any
 
 import msgpack
 
-from common.engine.llm_engine import Admission
-from common.engine.stats import FinishedRequestStats, IterationStats, PromptTokenStats
+from common.engine.admission import Admission
+from common.metrics.stats import FinishedRequestStats, IterationStats, PromptTokenStats
 from common.layers.sampler import SampledToken
 from common.outputs import CompletionOutput, FinishReason, RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams

@@ -1,21 +1,22 @@
-"""The servers on the engine: chapters 03-05's chat server, chapters 06-08's OpenAI server.
+"""The OpenAI-compatible server on the engine (ch06; chapters 07-09 run it too).
 
 Routes only. Each route hands its validated request to a serving class
 that does the work, one endpoint per file: serving_chat.py,
 serving_completion.py, serving_tokenization.py, on the core in
 serving_engine.py (the only code that talks to the engine).
 
-- chapters 03-05, `run_chat_server`: `/v1/models`, `/health`, `/stats` and
-  chat completions answered whole (`stream: true` is a 400);
+- chapters 03-05's routes are chat_server.py's: `/v1/models`, `/health`,
+  `/stats` and chat completions answered whole;
 - chapter 06, `build_app` and `main`: what an existing OpenAI app needs to
   work by changing only `base_url`: the same routes, streaming (SSE), text
   completions, `/tokenize`, `/detokenize`, `/version`, `/metrics`
   (Prometheus, vLLM's names), `--api-key` (401), `--max-waiting`
   backpressure (503 with `Retry-After`), `--disable-fastapi-docs`;
-- chapters 07, 08 and 09 run the same `main`, with chapter 07's grammar
-  step (`structured_output_cls`) and their own flags (the table of which
-  chapter adds which flag and field: common/entrypoints/chapters.py);
-  chapter 09's engine runs in processes of its own (`build_engine`).
+- chapters 07, 08 and 09 run the same `main` with their own engine parts
+  (each server.py's `engine_parts`: chapter 07's grammar step and drafts)
+  and their own flags (the table of which chapter adds which flag and
+  field: common/entrypoints/chapters.py); chapter 09's engine runs in
+  processes of its own (cli_args.py's `build_engine`).
 
 `--live-view` adds the live view at /ui/ (live_view.py) to any of them.
 
@@ -30,10 +31,8 @@ token that holds part of a UTF-8 character shows as "\\ufffd").
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import sys
-import time
+from typing import Callable
 
 import torch
 import transformers
@@ -41,105 +40,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from common import __version__
-from common.config import config_from_args
-from common.engine.async_llm import AsyncLLM, EngineDeadError
-from common.engine.core import EngineCoreSpec
-from common.engine.scheduler import ContinuousScheduler, Scheduler
+from common.config import EngineConfig, config_from_args
+from common.engine.async_llm import EngineClient
+from common.engine.parts import EngineParts
 from common.entrypoints.chapters import refuse_later_fields
+from common.entrypoints.chat_server import (add_engine_routes, add_live_view_if_asked,
+                                            engine_health)
 from common.entrypoints.cli_args import (
     DEFAULT_MAX_WAITING,
     api_server_parser,
     build_engine,
     parse_server_args,
-    server_parser,
 )
 from common.entrypoints.launcher import serve
-from common.entrypoints.live_view import watch_engine
 from common.entrypoints.metrics import Metrics
-from common.entrypoints.middleware import APIKeyCheck, RateLimit, new_app
+from common.entrypoints.middleware import APIKeyCheck, new_app
 from common.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from common.entrypoints.responses import ModelCard, ModelList
 from common.entrypoints.serving_chat import OpenAIServingChat
 from common.entrypoints.serving_completion import OpenAIServingCompletion
-from common.entrypoints.serving_engine import engine_error
 from common.entrypoints.serving_tokenization import OpenAIServingTokenization
 from common.entrypoints.vllm_routes import add_vllm_routes
 
 log = logging.getLogger("llm-course")
 
-MONITORING_PER_S = 20  # answers a second on /stats and /metrics, all clients together
-
-
-def add_engine_routes(app: FastAPI, engine: AsyncLLM, model_name: str) -> None:
-    """The routes of chapters 03-06 around the chat: models, health, stats.
-    `/stats` (and chapter 06's `/metrics`) share `app.state.monitoring`."""
-    created = int(time.time())
-    app.state.monitoring = RateLimit(MONITORING_PER_S)
-
-    @app.get("/v1/models")
-    def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created,
-                                         max_model_len=engine.max_model_len)])
-
-    @app.get("/health")
-    async def health() -> dict:  # on the event loop: no worker thread needed
-        return engine_health(engine)
-
-    @app.get("/stats")
-    async def stats() -> dict:  # the figures published after the last step: no lock
-        await app.state.monitoring.wait()
-        return engine.snapshot()
-
-
-def engine_health(engine: AsyncLLM) -> dict:
-    """/health's answer: ok, or 503 `engine_dead`."""
-    if not engine.alive:
-        raise engine_error(EngineDeadError(f"the engine loop has died: {engine.dead!r}"))
-    return {"status": "ok"}
-
-
-def add_live_view_if_asked(app: FastAPI, engine: AsyncLLM, chapter: str,
-                           args) -> None:
-    """`--live-view`: the page at /ui/, and its URL in the log."""
-    if not args.live_view:
-        return
-    watch_engine(app, engine, chapter)
-    key = "?key=YOUR_API_KEY" if getattr(args, "api_key", None) else ""
-    log.info("live view: open http://%s:%d/ui/%s in a browser", args.host, args.port, key)
-
-
-# ----------------------------------------------------- chapters 03-05
-def build_engine_chat_app(title: str, engine: AsyncLLM, model_name: str,
-                          chapter: str) -> FastAPI:
-    """Chat completions answered whole, on the engine (ch03-05)."""
-    chat = OpenAIServingChat(engine, model_name)
-    app = new_app(title, __version__)
-    add_engine_routes(app, engine, model_name)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        refuse_later_fields(req, chapter)  # `stream` is chapter 06's, grammars 07's
-        return await chat.create_chat_completion(req, request)
-
-    return app
-
-
-def run_chat_server(chapter: str, title: str, scheduler_cls: type[Scheduler],
-                    **config: object) -> int:
-    """Chapters 03-05's main: parse the chapter's flags, build the engine
-    with its scheduler and `config` (EngineConfig fields the chapter sets),
-    serve."""
-    parser = server_parser(title, chapter)
-    args = parse_server_args(parser, chapter)
-    engine_config = dataclasses.replace(config_from_args(args), **config)
-    engine = build_engine(parser, EngineCoreSpec(engine_config, scheduler_cls), args)
-    app = build_engine_chat_app(title, engine, engine_config.model_name, chapter)
-    add_live_view_if_asked(app, engine, chapter, args)
-    return serve(app, args, engine)
-
-
-# ------------------------------------------------------- chapters 06-08
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False,
               metrics: Metrics | None = None, chapter: str = "06",
               title: str = "Chapter 06: the OpenAI-compatible server",
@@ -191,15 +115,14 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     return app
 
 
-def main(chapter: str = "06", title: str = "Chapter 06: the OpenAI-compatible server",
-         structured_output_cls: type | None = None) -> int:
-    """Chapters 06-09's main, like `vllm serve`. `structured_output_cls`
-    (ch07 on): the engine's grammar step, for `response_format`."""
+def main(chapter: str, title: str,
+         engine_parts: Callable[[EngineConfig], EngineParts]) -> int:
+    """Chapters 06-09's main, like `vllm serve`: the chapter's flags, its
+    engine built from `engine_parts(config)` (its server.py's), the app."""
     parser = api_server_parser(title, chapter)
     args = parse_server_args(parser, chapter)
     config = config_from_args(args)
-    engine = build_engine(parser, EngineCoreSpec(config, ContinuousScheduler,
-                                                 structured_output_cls), args)
+    engine = build_engine(parser, config, engine_parts, args)
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs, chapter=chapter, title=title,
                     load_tracking=args.enable_server_load_tracking,
@@ -208,6 +131,3 @@ def main(chapter: str = "06", title: str = "Chapter 06: the OpenAI-compatible se
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

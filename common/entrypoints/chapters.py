@@ -24,10 +24,24 @@ alike (chapters 01-02 have no scheduler for them to limit).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+from dataclasses import fields
+from pathlib import Path
+from types import ModuleType
 
 from pydantic import BaseModel
 
+from common.config import EngineConfig
 from common.entrypoints.middleware import APIError
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTER_FOLDERS: dict[str, str] = {
+    "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
+    "04": "04-paged-attention", "05": "05-continuous-batching", "06": "06-openai-server",
+    "07": "07-structured-and-speculative", "08": "08-levers-and-the-real-vllm",
+    "09": "09-scale-out",
+}
 
 # The flags each chapter adds (those every chapter takes are not listed).
 FLAG_CHAPTERS: dict[str, str] = {
@@ -97,3 +111,29 @@ def refuse_later_fields(request: BaseModel | dict, chapter: str) -> None:
             given = field is not None and getattr(request, name) != field.default
         if given:
             raise APIError(400, not_in_chapter(f"`{name}`", chapter, adds) + ".", param=name)
+
+
+# --------------------------------------------- each chapter's engine parts
+def chapter_server(chapter: str) -> ModuleType:
+    """Chapter `chapter`'s server.py as a module (imported once, not run:
+    its `main` runs only as a script). Chapters 03-09 define
+    `engine_parts(config)` there: the parts their engine is built from."""
+    name = f"chapter_{chapter}_server"
+    if name not in sys.modules:
+        path = ROOT / CHAPTER_FOLDERS[chapter] / "server.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def refuse_later_engine_args(engine_args: dict, chapter: str) -> None:
+    """The offline `LLM`'s engine arguments, by the flags' table: one that a
+    later chapter adds (`speculative_config` for chapter 05) is a
+    TypeError naming that chapter, never silently ignored."""
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for name, value in engine_args.items():
+        adds = FLAG_CHAPTERS.get("--" + name.replace("_", "-"), "00")
+        if adds > chapter and value != defaults.get(name):
+            raise TypeError(not_in_chapter(name, chapter, adds))

@@ -18,10 +18,11 @@ import argparse
 import logging
 from enum import StrEnum
 
-from common.config import ConfigError, add_engine_args, resolve_model_flags
+from typing import Callable
+
+from common.config import ConfigError, EngineConfig, add_engine_args, resolve_model_flags
 from common.engine.async_llm import AsyncLLM, EngineClient
-from common.engine.core import EngineCoreSpec
-from common.engine.core_client import AsyncMPClient
+from common.engine.parts import EngineParts, assemble_engine
 from common.entrypoints.chapters import (
     FLAG_CHAPTERS,
     hide_later_flags,
@@ -124,16 +125,21 @@ def check_scale_out_args(parser: argparse.ArgumentParser, args: argparse.Namespa
                      "add --engine-core in-process")
 
 
-def build_engine(parser: argparse.ArgumentParser, spec: EngineCoreSpec,
+def build_engine(parser: argparse.ArgumentParser, config: EngineConfig,
+                 engine_parts: Callable[[EngineConfig], EngineParts],
                  args: argparse.Namespace) -> EngineClient:
-    """The engine where the flags put it: `AsyncLLM` on a thread of this
-    process (ch03-08, and ch09's `--engine-core in-process`), or
-    `AsyncMPClient` with `--data-parallel-size` processes (ch09). Flags
-    that do not fit the model (`--tensor-parallel-size 2` for 9 heads,
-    ch08) exit as a usage error."""
+    """The chapter's engine (its parts: `engine_parts(config)`) where the
+    flags put it: `AsyncLLM` on a thread of this process (ch03-08, and
+    ch09's `--engine-core in-process`), or `AsyncMPClient` with
+    `--data-parallel-size` processes (ch09, imported only then: ZeroMQ and
+    msgpack are chapter 09's). Flags that do not fit the model
+    (`--tensor-parallel-size 2` for 9 heads, ch08) exit as a usage error."""
     try:
+        parts = engine_parts(config)
         if getattr(args, "engine_core", EngineCoreMode.IN_PROCESS) is EngineCoreMode.PROCESS:
-            return AsyncMPClient.start(spec, args.data_parallel_size)
-        return AsyncLLM.build(spec.build)
+            from common.engine.core import EngineCoreSpec  # ch09
+            from common.engine.core_client import AsyncMPClient
+            return AsyncMPClient.start(EngineCoreSpec(config, parts), args.data_parallel_size)
+        return AsyncLLM.build(lambda: assemble_engine(config, parts))
     except ConfigError as exc:
         parser.error(str(exc))

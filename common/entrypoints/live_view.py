@@ -9,7 +9,7 @@
                          viewer can step back at once), then each step's
                          `step` frame, and `gap` when frames were dropped
 
-The frames are the engine's step events (common/engine/step_events.py),
+The frames are the engine's step events (common/metrics/step_events.py),
 turned into JSON once, on the engine's thread, and handed to the event
 loop. Each viewer has its own bounded queue: a viewer that reads too
 slowly (a stuck tab, a slow network) loses its oldest frames and gets a

@@ -2,7 +2,7 @@
 
     from common.entrypoints.llm import LLM
     from common.sampling_params import SamplingParams
-    llm = LLM(model="smollm2")
+    llm = LLM(model="smollm2", chapter="05")   # chapter 05's engine parts
     outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
 
@@ -23,7 +23,8 @@ from dataclasses import fields, replace
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
+from common.engine.parts import assemble_engine
+from common.entrypoints.chapters import chapter_server, refuse_later_engine_args
 from common.loader import LoadedModel, apply_chat_template
 from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
@@ -31,12 +32,18 @@ from common.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str = "smollm2", loaded: LoadedModel | None = None,
-                 **engine_args):
+                 chapter: str = "08", **engine_args):
+        """`chapter`: whose engine (05 on): the parts its server.py names
+        (`engine_parts`); an engine argument that a later chapter adds
+        (`speculative_config` for chapter 05) is a TypeError."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_args) - names
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), loaded=loaded)
+        refuse_later_engine_args(engine_args, chapter)
+        config = EngineConfig(model=model, **engine_args)
+        parts = chapter_server(chapter).engine_parts(config)
+        self.engine = assemble_engine(config, parts, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -12,7 +12,7 @@ Three kinds of figures:
   `Metrics` is one of the engine's stat loggers (vLLM's
   `PrometheusStatLogger`; the server registers it with
   `engine.add_stat_logger(metrics)`), and `Metrics.record` observes each
-  step's `IterationStats` (common/engine/stats.py): time to first token,
+  step's `IterationStats` (common/metrics/stats.py): time to first token,
   inter-token latency, and for each request that finished its end-to-end
   latency and queue time (these four in `LatencyStatLogger`, chapter 06's
   exercise), its prompt and generated tokens, its `max_tokens`, its
@@ -52,7 +52,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.engine.stats import IterationStats
+from common.metrics.stats import IterationStats
 
 # Buckets close to vLLM's (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

@@ -4,7 +4,7 @@ OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and
 vLLM's `structured_outputs` request extra (`json`, `json_object`, `regex`,
 `choice`, `grammar`) both become one `StructuredOutputsParams`
 (common/sampling_params.py), which the engine compiles with xgrammar
-(common/engine/structured_output.py).
+(common/structured_output/manager.py).
 
 Checked here, before anything runs: the shape (a `json_schema` type needs
 its `json_schema`, `strict` is a boolean inside it, exactly one

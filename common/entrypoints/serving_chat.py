@@ -15,7 +15,7 @@ One request, top to bottom (`create_chat_completion`):
 Chapters 03-05 answer whole; their route refuses `stream: true` (api_server.py).
 
 ch07: `response_format` (JSON object, JSON schema) and vLLM's
-`structured_outputs` constrain the answer (common/engine/structured_output.py);
+`structured_outputs` constrain the answer (common/structured_output/manager.py);
 the grammar is compiled before the request is queued.
 
 vLLM's extras: `echo`, `add_generation_prompt`, `continue_final_message`.

@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from common.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
-from common.engine.llm_engine import DEFAULT_MAX_TOKENS, ContextLengthError, check_context_length
+from common.engine.admission import DEFAULT_MAX_TOKENS, ContextLengthError, check_context_length
 from common.entrypoints.metrics import Metrics
 from common.entrypoints.middleware import APIError, internal_error
 from common.entrypoints.protocol import SamplingFields

@@ -26,7 +26,7 @@ from typing import Callable, Literal
 from fastapi import FastAPI
 
 from common import __version__
-from common.engine.llm_engine import default_max_tokens
+from common.engine.admission import default_max_tokens
 from common.entrypoints.chapters import refuse_later_fields
 from common.entrypoints.middleware import new_app
 from common.entrypoints.protocol import ChatCompletionRequest

@@ -23,8 +23,8 @@ output or input features, a vocabulary shard, the collectives (`TPGroup`,
 which count the bytes they move). Which matrix is cut how is the model's
 business: `shard_llama_for_rank` in common/models/llama.py, and the check
 that a model can be split, `check_tensor_parallel`, in
-common/models/__init__.py. Building a rank: common/engine/worker.py;
-starting them: common/engine/tp_workers.py.
+common/models/__init__.py. Building a rank: common/worker/worker.py;
+starting them: common/worker/tp_workers.py.
 
 Left out: pipeline parallelism, sequence parallelism, replicating KV heads
 when N exceeds their number (vLLM does; we refuse), custom all-reduce

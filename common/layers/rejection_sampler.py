@@ -2,7 +2,7 @@
 in one forward pass, keeping the model's own distribution.
 
 A speculating sequence feeds its last token plus k draft tokens d_1..d_k
-(common/engine/ngram_proposer.py) as one short prefill chunk, so the
+(common/spec_decode/ngram_proposer.py) as one short prefill chunk, so the
 forward pass gives k + 1 rows of logits: row j is the model's next-token
 distribution p_j after the tokens up to d_j. Then, for j = 1..k:
 

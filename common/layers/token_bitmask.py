@@ -1,6 +1,6 @@
 """A grammar's token mask on the logits (ch07, structured outputs).
 
-A grammar matcher (xgrammar's, common/engine/structured_output.py) says,
+A grammar matcher (xgrammar's, common/structured_output/manager.py) says,
 before each token, which tokens of the vocabulary may come next. It says
 so as a *bitmask*: 32 tokens per int32 word, token t allowed when bit
 t % 32 of word t // 32 is set:

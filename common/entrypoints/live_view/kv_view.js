@@ -1,6 +1,6 @@
 /* The live view on another engine's KV events (`--kv-events`, `make
    watch-vllm`): vLLM publishes which block hashes its prefix cache holds
-   (common/engine/kv_events.py), not where they are nor who holds them.
+   (common/metrics/kv_events.py), not where they are nor who holds them.
    Each `kv` frame is one batch of events; this file keeps the cache they
    describe and draws one cell per cached hash, in the order stored.
 

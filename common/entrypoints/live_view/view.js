@@ -1,5 +1,5 @@
 /* The live view of the engine: the KV cache's blocks and the scheduler's
-   queues, one frame per engine step (common/engine/step_events.py says
+   queues, one frame per engine step (common/metrics/step_events.py says
    what a frame holds).
 
    Frames come from the server (live: server-sent events from /ui/events)

@@ -1,6 +1,6 @@
 """Each engine step as an event: what the live view draws, what `--record-events` writes (ch05).
 
-vLLM publishes the prefix cache's changes (KV events, common/engine/kv_events.py)
+vLLM publishes the prefix cache's changes (KV events, common/metrics/kv_events.py)
 and counters; nothing says what a step *did*. The course's step event
 does, once per step, as one JSON-able dict (a *frame*):
 
@@ -41,8 +41,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from common.engine.kv_events import (KVEventBatch, KVEventsConfig, KVEventTracker,
+from common.metrics.kv_events import (KVEventBatch, KVEventsConfig, KVEventTracker,
                                      ZmqEventPublisher, event_to_dict)
+from common.metrics.observers import StepObserver
 
 log = logging.getLogger("llm-course")
 
@@ -93,12 +94,12 @@ def block_letters(block_manager) -> str:
                    "c" if b.block_id in cached else "." for b in block_manager.blocks)
 
 
-class StepEvents:
+class StepEvents(StepObserver):
     """Builds a frame after every step and hands it to the subscribers.
 
     `observe_scheduled(batch)` before the forward pass (the tokens each
     request is about to feed), `observe_step(iteration_stats, outputs)`
-    after it: `LLMEngine.step` calls both while `engine.step_events` is set."""
+    after it: one of the engine's observers once `enable_step_events` added it."""
 
     def __init__(self, engine):
         self.engine = engine

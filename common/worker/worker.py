@@ -15,7 +15,7 @@ rank, event)`):
 
 Rank 0 builds its Worker in the engine's process (common/engine/llm_engine.py);
 ranks 1..N-1 build theirs in the worker processes that
-common/engine/tp_workers.py starts (`worker_main`), then run every step
+common/worker/tp_workers.py starts (`worker_main`), then run every step
 rank 0 sends them (`Worker.serve`).
 
 Left out: vLLM's memory profiling with the real sampler, sleep mode and
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
-from common.engine.kv_cache import KVCache, num_blocks_for_card
-from common.engine.model_runner import ModelRunner
+from common.worker.kv_cache import KVCache, num_blocks_for_card
+from common.worker.model_runner import ModelRunner
 from common.layers.parallel import (
     SINGLE_RANK,
     TPGroup,
@@ -51,6 +51,11 @@ STOP = "stop"  # what rank 0 sends a worker process to end it (ch08)
 
 
 # ------------------------------------------------ the messages (ch06)
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank is gone, or a collective between the ranks
+    failed: the ranks are out of step and the engine cannot go on."""
+
+
 @dataclass
 class RankReport:
     """What a rank tells rank 0 once its cache is allocated."""
@@ -121,7 +126,8 @@ class Worker:
 def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: int | None,
                  *, loaded: LoadedModel | None = None, model_shared: bool = False,
                  port: int | None = None,
-                 attention_ops=None, quant_ops=None, workers=None) -> Worker:
+                 attention_ops=None, quant_ops=None, workers=None,
+                 sampling=None, logits_processors: tuple = ()) -> Worker:
     """Build rank `rank` (0 in the engine's process, 1..N-1 in the workers').
 
     `loaded`: the model, when the caller has it (rank 0); otherwise this rank
@@ -132,7 +138,9 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     the ranks' rendezvous. `attention_ops`, `quant_ops`: the components,
     replaceable (default: picked for the device).
     `workers` (ch08, rank 0): the other ranks (tp_workers.TPWorkers), which
-    the ModelRunner sends every step to."""
+    the ModelRunner sends every step to. `sampling`, `logits_processors`
+    (rank 0): the ModelRunner's sampling step and logits processors, the
+    chapter's parts (common/engine/parts.py); the other ranks never sample."""
     world_size = config.tensor_parallel_size
     device = rank_device(loaded.device if loaded is not None else config.device, rank)
     tp = SINGLE_RANK
@@ -165,7 +173,7 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
         log.info(line)
     num_blocks = tp.min_over_ranks(room)  # ch08: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
-    runner = ModelRunner(forward, kv_cache, workers)
+    runner = ModelRunner(forward, kv_cache, workers, sampling, logits_processors)
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
             and world_size == 1:  # ch05: graphs need the Triton kernels, and one rank
         runner.capture_decode_graphs(config.max_num_seqs,

@@ -37,7 +37,7 @@ from common.sampling_params import SamplingParams
 
 class TokenConstraint(Protocol):
     """What a sequence's grammar does with each token it appends (ch07:
-    common/engine/structured_output.py's `StructuredOutputGrammar`, which
+    common/structured_output/manager.py's `StructuredOutputGrammar`, which
     needs xgrammar: this module never imports it)."""
 
     def accept_token(self, token_id: int) -> bool: ...

@@ -3,7 +3,7 @@
 Rank 0 is the engine's own process: it schedules, samples and processes
 outputs, once. Ranks 1..N-1 are worker processes (torch.multiprocessing,
 spawn) started by `start_ranks`. Every rank, rank 0 included, is built by
-the same `build_worker` (common/engine/worker.py): it joins the process
+the same `build_worker` (common/worker/worker.py): it joins the process
 group (gloo on the CPU, NCCL on CUDA; the rendezvous is a free TCP port on
 localhost), loads the model and keeps its shard (common/layers/parallel.py),
 books it on a card of its own (the same `--device-memory-gb`), agrees with
@@ -40,18 +40,14 @@ import torch
 import torch.multiprocessing as mp
 
 from common.config import ConfigError, EngineConfig
-from common.engine.model_runner import StepInputs
-from common.engine.worker import STOP, RankReport, Worker, WorkerFailed, rank_device, worker_main
+from common.worker.model_runner import StepInputs
+from common.worker.worker import (STOP, RankDiedError, RankReport, Worker, WorkerFailed,
+                                  rank_device, worker_main)
 from common.layers.parallel import destroy_tensor_parallel, free_port
 from common.memory import format_bytes
 
 log = logging.getLogger("llm-course")
 READY_TIMEOUT_S = 600.0  # loading the model on every rank (a hang guard)
-
-
-class RankDiedError(RuntimeError):
-    """A tensor-parallel rank is gone, or a collective between the ranks
-    failed: the ranks are out of step and the engine cannot go on."""
 
 
 # ------------------------------------------------------- rank 0's side
@@ -87,7 +83,7 @@ class TPWorkers:
             raise RankDiedError(self._describe(dead))
 
     def build_rank0(self, build: Callable[..., Worker]) -> Worker:
-        """Build rank 0 (`build(port=, workers=)`, common/engine/worker.py)
+        """Build rank 0 (`build(port=, workers=)`, common/worker/worker.py)
         beside the workers, wait for every rank's report and log the startup
         line. A failure stops every rank; a worker that died (or a collective
         that failed) while starting is a RankDiedError."""

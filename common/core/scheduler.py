@@ -32,7 +32,7 @@ that hit EOS, a stop token id or their length, and frees their blocks.
 (Stop *strings* need the text: the output processor finds them, and the
 engine then calls `finish`.)
 
-Chapter 07 swaps in `SpeculativeScheduler` (common/engine/spec_decode.py),
+Chapter 07 swaps in `SpeculativeScheduler` (common/spec_decode/speculative.py),
 a subclass that books draft tokens into the step and rolls back the rejected
 ones: nothing here knows about drafts. The hooks it overrides are
 `schedule_running` (what a running sequence feeds this step) and
@@ -47,8 +47,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from common.engine.block_manager import BlockManager
-from common.engine.sequence import Sequence, SequenceStatus
+from common.core.block_manager import BlockManager
+from common.core.sequence import Sequence, SequenceStatus
 from common.layers.sampler import SampledToken, SamplingFailed
 from common.outputs import FinishReason
 

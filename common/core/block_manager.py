@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.engine.sequence import Sequence
+from common.core.sequence import Sequence
 
 
 def compute_block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:

@@ -43,6 +43,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from common.metrics.observers import StepObserver
 from common.outputs import FinishReason
 
 log = logging.getLogger("llm-course")
@@ -256,7 +257,7 @@ class StatLoggers:
                 log.exception("stat logger %r failed; the engine goes on", logger)
 
 
-class StatsCollector:
+class StatsCollector(StepObserver):
     """The engine's figures, kept apart from its step (ch05-07): fed each
     step's batch and sampled tokens, it keeps the running totals
     (`EngineStats`), hands each step's `IterationStats` to the stat loggers

@@ -10,19 +10,19 @@ request that asked for `prompt_logprobs`: each position's logits give the
 logprob of the prompt token after it, collected on the sequence chunk by
 chunk (vLLM computes them the same way, a chunk's rows at once).
 
-CUDA graphs of decode steps on a GPU: common/engine/cuda_graphs.py (ch05).
+CUDA graphs of decode steps on a GPU: common/worker/cuda_graphs.py (ch05).
 
 Two components are swapped in at construction (chapter 07), never
 branched on here: the sampling step (`PlainSampling`, one token per
 sampling sequence; chapter 07's `SpeculativeSampling` checks drafts,
-common/engine/spec_decode.py) and the logits processors applied before
-it (chapter 07's grammar masks, common/engine/structured_output.py).
+common/spec_decode/speculative.py) and the logits processors applied before
+it (chapter 07's grammar masks, common/structured_output/manager.py).
 Each `ScheduledSeq` says which tokens it feeds (`input_token_ids`) and
 how many of its rows go through the LM head (`num_logits_rows`).
 
 ch08, tensor parallelism: the step's inputs are first built as plain lists
 (`StepInputs`), which rank 0 sends to the other ranks
-(common/engine/tp_workers.py); every rank's `Worker` (worker.py) then runs
+(common/worker/tp_workers.py); every rank's `Worker` (worker.py) then runs
 `forward_logits` on them, and only rank 0 gets logits and samples.
 
 Left out: async scheduling (preparing step n+1 while step n runs), graphs
@@ -35,10 +35,10 @@ from typing import Protocol
 
 import torch
 
-from common.engine.cuda_graphs import DecodeGraphs
-from common.engine.kv_cache import KVCache
-from common.engine.scheduler import ScheduledSeq
-from common.engine.sequence import Sequence
+from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.kv_cache import KVCache
+from common.core.scheduler import ScheduledSeq
+from common.core.sequence import Sequence
 from common.layers.attention import AttentionMetadata
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed, prompt_token_logprobs
 
@@ -96,18 +96,22 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, workers=None):
+    def __init__(self, model, kv_cache: KVCache, workers=None,
+                 sampling: "PlainSampling | None" = None,
+                 logits_processors: tuple[LogitsProcessor, ...] = ()):
         """`model`: the forward pass (common.models.build_forward), on this
         rank's share of the weights. `workers` (ch08): on rank 0 the other
-        ranks (tp_workers.TPWorkers), which run every step too."""
+        ranks (tp_workers.TPWorkers), which run every step too. `sampling`
+        and `logits_processors`: the chapter's sampling step and what
+        changes the logits before it (common/engine/parts.py)."""
         self.model = model
         self.workers = workers
         self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.hf.parameters()).device
-        self.sampling = PlainSampling()  # ch07: SpeculativeSampling with --speculative-config
-        self.logits_processors: list[LogitsProcessor] = []  # ch07: the grammar's masks
+        self.sampling = sampling or PlainSampling()  # ch07: SpeculativeSampling with drafts
+        self.logits_processors = tuple(logits_processors)  # ch07: the grammar's masks
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""

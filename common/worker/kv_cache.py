@@ -9,7 +9,7 @@ by the bytes of one block.
 Chapter 03 calls a block of `max_model_len` slots a *region*: each sequence
 reserves one whole region when it starts (the classic pre-allocation), and
 requests that find no free region wait. Chapter 04 cuts the same memory into
-blocks of 16 slots handed out on demand (common/engine/block_manager.py).
+blocks of 16 slots handed out on demand (common/core/block_manager.py).
 
 ch08, tensor parallelism: each rank holds its KV heads only
 (num_kv_heads / N), so one block costs 1/N of the bytes on each of N cards;

@@ -18,7 +18,7 @@ Drafts only take what is left: they are cut to the step's token budget,
 and dropped (the sequence decodes one token) when their slots would need a
 preemption. Only blocks of accepted tokens are ever hashed for the prefix
 cache. The drafts checked and accepted are counted by the engine's
-`StatsCollector` (common/engine/stats.py), from the batch and the sampled
+`StatsCollector` (common/metrics/stats.py), from the batch and the sampled
 tokens, as vLLM's `SpecDecodingStats` (published as `vllm:spec_decode_*`).
 
 vLLM's files: vllm/v1/core/sched/scheduler.py (drafts in the scheduler's
@@ -30,20 +30,20 @@ drafts, proposing for step n+1 while step n runs (vLLM's async scheduling).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import TypeVar
 
 import torch
 
 from common.config import ConfigError, SpeculativeConfig
-from common.engine.model_runner import PlainSampling, SampledTokens
-from common.engine.ngram_proposer import NgramProposer
-from common.engine.scheduler import ContinuousScheduler, ScheduledSeq
-from common.engine.sequence import Sequence
+from common.core.scheduler import ContinuousScheduler, ScheduledSeq
+from common.core.sequence import Sequence
 from common.layers.rejection_sampler import RejectionSampler
 from common.layers.sampler import SampledToken
 from common.outputs import FinishReason
+from common.spec_decode.ngram_proposer import NgramProposer
+from common.worker.model_runner import PlainSampling, SampledTokens
 
 
 @dataclass
@@ -64,8 +64,10 @@ class SpecScheduledSeq(ScheduledSeq):
         return self.seq.token_ids[self.seq.num_computed_tokens:] + self.draft_token_ids
 
 
-class SpeculativeScheduler(ContinuousScheduler):
-    """ch07: chapter 05's scheduler, with n-gram drafts checked every step."""
+class DraftScheduling:
+    """ch07: n-gram drafts checked every step, on top of a continuous
+    scheduler (a mixin: `SpeculativeScheduler` is it on chapter 05's, and
+    `with_drafts` puts it on any subclass of chapter 05's a learner hands in)."""
 
     def __init__(self, *args, speculative_config: SpeculativeConfig, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,11 +169,45 @@ class SpeculativeSampling(PlainSampling):
         return results
 
 
-def speculative_components(scheduler_cls: type, speculative_config: SpeculativeConfig
-                           ) -> tuple[Callable[..., SpeculativeScheduler], type]:
-    """What `--speculative-config` swaps into the engine: the scheduler
-    (chapter 05's policy with drafts) and the model runner's sampling step."""
-    if not issubclass(scheduler_cls, ContinuousScheduler):
+class SpeculativeScheduler(DraftScheduling, ContinuousScheduler):
+    """ch07: chapter 05's scheduler, with n-gram drafts checked every step."""
+
+
+@dataclass(frozen=True)
+class DraftingSchedulerFactory:
+    """Builds `scheduler_cls` with drafts, as `EngineParts.scheduler_cls`:
+    a value that pickles (chapter 09's engine processes build their own),
+    where a class made on the fly would not."""
+    scheduler_cls: type
+    speculative_config: SpeculativeConfig
+
+    def __call__(self, *args, **kwargs) -> ContinuousScheduler:
+        return drafting_class(self.scheduler_cls)(
+            *args, speculative_config=self.speculative_config, **kwargs)
+
+
+@cache
+def drafting_class(scheduler_cls: type) -> type:
+    """`scheduler_cls` with `DraftScheduling` in front of it (itself if it
+    has it already; chapter 05's gives `SpeculativeScheduler`)."""
+    if issubclass(scheduler_cls, DraftScheduling):
+        return scheduler_cls
+    if scheduler_cls is ContinuousScheduler:
+        return SpeculativeScheduler
+    return type(f"Speculative{scheduler_cls.__name__}", (DraftScheduling, scheduler_cls),
+                {"__doc__": f"{scheduler_cls.__name__} with n-gram drafts (ch07)."})
+
+
+Parts = TypeVar("Parts")  # common/engine/parts.py's EngineParts (a layer up: not imported)
+
+
+def with_drafts(parts: Parts, speculative_config: SpeculativeConfig) -> Parts:
+    """What `--speculative-config` swaps into a chapter's `EngineParts`: its
+    scheduler (whichever subclass of chapter 05's it is) with drafts, and
+    the model runner's sampling step that checks them."""
+    if not issubclass(parts.scheduler_cls, ContinuousScheduler):
         raise ConfigError("--speculative-config needs continuous batching (chapter 05 on): "
                           "a static batch reserves no room for draft tokens.")
-    return partial(SpeculativeScheduler, speculative_config=speculative_config), SpeculativeSampling
+    return replace(parts, scheduler_cls=DraftingSchedulerFactory(parts.scheduler_cls,
+                                                                 speculative_config),
+                   sampling_cls=SpeculativeSampling)

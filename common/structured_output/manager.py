@@ -52,7 +52,7 @@ import re
 import torch
 import xgrammar as xgr
 
-from common.engine.scheduler import ScheduledSeq
+from common.core.scheduler import ScheduledSeq
 from common.layers.token_bitmask import allocate_token_bitmask, apply_token_bitmask
 from common.sampling_params import StructuredOutputsParams
 

@@ -31,7 +31,7 @@ from common.entrypoints.middleware import APIError, new_app  # noqa: E402
 from common.entrypoints.protocol import INT64_MAX, INT64_MIN, StrictModel, Text  # noqa: E402
 from common.entrypoints.responses import (ChatChoice, ChatCompletionResponse,  # noqa: E402
                                           ModelCard, ModelList, ResponseMessage, Usage, new_id)
-from common.entrypoints.serving_engine import check_context, check_model_name  # noqa: E402
+from common.entrypoints.request_checks import check_context, check_model_name  # noqa: E402
 from common.loader import apply_chat_template, load_model  # noqa: E402
 from common.memory import (Card, activation_bytes_estimate, format_bytes,  # noqa: E402
                            static_cache_bytes)

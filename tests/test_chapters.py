@@ -22,7 +22,8 @@ from fastapi.testclient import TestClient
 
 from bench.loadtest import CHAPTERS, ROOT
 from common.engine.async_llm import AsyncLLM
-from common.entrypoints.api_server import build_app, build_engine_chat_app
+from common.entrypoints.api_server import build_app
+from common.entrypoints.chat_server import build_engine_chat_app
 from common.entrypoints.chapters import FIELD_CHAPTERS, FLAG_CHAPTERS
 from common.entrypoints.cli_args import api_server_parser, parse_server_args, server_parser
 from common.entrypoints.simple_app import Completion, build_chat_app

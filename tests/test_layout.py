@@ -1,16 +1,18 @@
 """The folders draw the architecture; this test keeps the arrows pointing
-one way.
+down, one floor at a time (vLLM v1's map):
 
-    common/entrypoints   servers and the offline LLM
-    common/engine        the engine: no web server, no entrypoint, no bench
-    common/models        the forward passes and what depends on the model's
-                         family: no engine
-    common/layers        attention, sampling, parallel and quantized layers:
-                         no model, no engine
-    bench/               measurement: may import common/
+    6  common/entrypoints    servers, the offline LLM, the router
+    5  common/engine         LLMEngine and its fronts: no web server
+    4  common/spec_decode, common/structured_output, common/metrics
+    3  common/worker         device, tensors, the model runner
+    2  common/core           sequence, blocks, scheduler: bookkeeping
+    1  common/models         the forward passes: no engine
+    0  common/layers, common/*.py   kernels, sampling; config, loader
+    bench/                   measurement: may import common/
 
-Nothing under `common/` imports `bench/` (tests may), and no module of
-`common/` takes part in an import cycle, lazy imports included.
+A module imports only from its own floor or the floors below, lazy
+imports included; nothing under `common/` imports `bench/` (tests may);
+no module of `common/` takes part in an import cycle.
 """
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ import pytest
 pytestmark = pytest.mark.layout
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_LAYERS = ["common/engine", "common/layers", "common/models"]
+ENGINE_LAYERS = ["common/engine", "common/metrics", "common/spec_decode",
+                 "common/structured_output", "common/worker", "common/core",
+                 "common/layers", "common/models"]
+FLOORS = {"common.entrypoints": 6, "common.engine": 5, "common.spec_decode": 4,
+          "common.structured_output": 4, "common.metrics": 4, "common.worker": 3,
+          "common.core": 2, "common.models": 1, "common.layers": 0}
 WEB = ("fastapi", "uvicorn", "starlette", "prometheus_client", "openai")
 
 
@@ -138,21 +145,34 @@ def test_the_layering_checks_catch_a_planted_import_and_a_planted_cycle(tmp_path
         ["common.layers.leaky", "common.models", "common.models.llama", "common.layers.leaky"]]
 
 
-MAX_ENTRYPOINT_LINES = 300
+def floor(module: str) -> int:
+    """A module's floor: its package's (a module of common/ itself: 0)."""
+    for package, level in FLOORS.items():
+        if module == package or module.startswith(package + "."):
+            return level
+    return 0
 
 
-def long_modules(folder: Path, most: int = MAX_ENTRYPOINT_LINES) -> list[str]:
-    return [f"{path.name}: {n} lines" for path in sorted(folder.glob("*.py"))
-            if (n := len(path.read_text().splitlines())) > most]
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} (floor {floor(module)}) imports {target} (floor {floor(target)})"
+                  for module, targets in graph.items() for target in targets
+                  if floor(target) > floor(module))
 
 
-def test_the_serving_layer_is_one_concern_per_short_module(tmp_path):
-    """The serving layer is composed, not flagged: no module of
-    common/entrypoints over 300 lines, and no base-class hook left for a
-    chapter to fill (`NotImplementedError`); the check sees a planted one."""
+def test_imports_only_go_down():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_check_catches_an_upward_import():
+    graph = {"common.core.scheduler": {"common.worker.model_runner"},
+             "common.worker.model_runner": {"common.core.scheduler"}}
+    assert upward_imports(graph) == [
+        "common.core.scheduler (floor 2) imports common.worker.model_runner (floor 3)"]
+
+
+def test_the_serving_layer_leaves_no_hook_for_a_chapter_to_fill():
+    """The serving layer is composed, not flagged: no base-class hook left
+    for a chapter to fill (`NotImplementedError`)."""
     folder = ROOT / "common/entrypoints"
-    assert long_modules(folder) == []
     hooks = [p.name for p in folder.glob("*.py") if "NotImplementedError" in p.read_text()]
     assert hooks == []
-    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_ENTRYPOINT_LINES + 1))
-    assert long_modules(tmp_path) == [f"big.py: {MAX_ENTRYPOINT_LINES + 1} lines"]

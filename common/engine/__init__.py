@@ -1,8 +1,9 @@
-"""The engine (ch03-08): requests in, tokens out. No web server here:
-sequence, block manager, scheduler, model runner, output processing, the
-figures it keeps (stats.py: StatsCollector), LLMEngine and its async front
-(AsyncLLM), and a Worker per rank (worker.py: the device, the weights, the
-KV cache, the ModelRunner). Chapter 07 adds the grammar step
-(structured_output.py) and speculation (spec_decode.py, ngram_proposer.py);
-chapter 08 the tensor-parallel processes (tp_workers.py) and the quantized
-model (--quantization)."""
+"""The engine (ch03-09), vLLM's vllm/v1/engine: requests in, outputs out. No web server.
+
+parts.py (what a chapter plugs in, and `assemble_engine`, which builds
+it), llm_engine.py (`LLMEngine`: add_request, step, abort, on the parts it
+is given), admission.py (what may run at all), output_processor.py and
+detokenizer.py (tokens to text, stops, deltas), async_llm.py (ch03: the
+engine on a thread, behind async streams). Chapter 09: core.py (the
+engine in a process of its own), core_client.py (the API server's side)
+and serial.py (msgpack between them)."""

@@ -54,7 +54,8 @@ from common.engine.core import (
     EngineCoreSpec,
     run_engine_core,
 )
-from common.engine.admission import DEFAULT_MAX_TOKENS, Admission
+from common.context_length import DEFAULT_MAX_TOKENS
+from common.engine.admission import Admission
 from common.engine.serial import decode, encode
 from common.metrics.stats import StatLoggers
 from common.loader import load_tokenizer

@@ -44,7 +44,8 @@ from common.config import EngineConfig
 from common.core.block_manager import KVCacheUsage
 from common.core.scheduler import Scheduler
 from common.core.sequence import Sequence
-from common.engine.admission import DEFAULT_MAX_TOKENS, Admission
+from common.context_length import DEFAULT_MAX_TOKENS
+from common.engine.admission import Admission
 from common.engine.output_processor import OutputProcessor
 from common.layers.sampler import RequestSamplingState
 from common.loader import LoadedModel

@@ -45,13 +45,8 @@ from common.engine.async_llm import EngineClient
 from common.engine.parts import EngineParts
 from common.entrypoints.chapters import refuse_later_fields
 from common.entrypoints.chat_server import (add_engine_routes, add_live_view_if_asked,
-                                            engine_health)
-from common.entrypoints.cli_args import (
-    DEFAULT_MAX_WAITING,
-    api_server_parser,
-    build_engine,
-    parse_server_args,
-)
+                                            build_engine, engine_health)
+from common.entrypoints.cli_args import DEFAULT_MAX_WAITING, api_server_parser, parse_server_args
 from common.entrypoints.launcher import serve
 from common.entrypoints.metrics import Metrics
 from common.entrypoints.middleware import APIKeyCheck, new_app

@@ -69,6 +69,107 @@ FIELD_CHAPTERS: dict[str, str] = {
 }
 
 
+# Each chapter as the README"s table shows it: (name, what it adds, how to run it).
+CHAPTER_SUMMARY: dict[str, tuple[str, str, str]] = {
+    "01": ("concepts",
+           "the autoregressive loop by hand, no cache; the OpenAI wire format and the HTTP edge",
+           "make serve CH=01"),
+    "02": ("the naive server",
+           "`model.generate`, a thread per request, worst-case KV reservation, the card, the load test",
+           "make serve CH=02 CARD=1.1"),
+    "03": ("KV cache",
+           "our forward pass, an explicit KV cache (one region per request), the engine's `step()`, a FIFO queue, measured waste",
+           "make serve CH=03 CARD=1.1"),
+    "04": ("paged attention",
+           "blocks of 16 tokens on demand, block tables, the paged kernels (Triton, C++), prefix caching, static batches",
+           "make serve CH=04 CARD=1.1"),
+    "05": ("continuous batching",
+           "scheduling at every step, chunked prefill, preemption by recompute, the offline `LLM`",
+           "make serve CH=05 CARD=1.1"),
+    "06": ("the OpenAI server",
+           "the whole API (streaming, completions, `n`, stop, logprobs, penalties), errors, `--api-key`, metrics, fairness",
+           "make serve CH=06"),
+    "07": ("structured and speculative",
+           "structured outputs (xgrammar) and n-gram speculative decoding with the rejection sampler",
+           "make serve CH=07"),
+    "08": ("the levers and the real vLLM",
+           "dtype, int8/int4 quantization, tensor parallelism, the CPU kernels, and the real vLLM beside the course",
+           "make serve CH=08"),
+    "09": ("scale out",
+           "the engine core in its own process (ZeroMQ, msgpack), `--data-parallel-size`, a router over N servers (round robin, least loaded, prefix-aware by consistent hashing), replicas that fail, Ray",
+           "make serve CH=09 DP=2"),
+}
+
+# Which chapter each module of common/ belongs to: the first chapter whose
+# server loads it. A chapter's server loads only its own and earlier
+# chapters' modules (tests/test_import_budget.py; `python -m
+# tests.check_imports` prints what each loads). The README's chapter table
+# and each chapter README's "modules it adds" come from here too.
+MODULE_CHAPTERS: dict[str, str] = {
+    # 01: the loop by hand, and the HTTP edge every chapter shares
+    "common": "01", "common.autoregressive": "01", "common.config": "01",
+    "common.loader": "01", "common.sampling_params": "01",
+    "common.context_length": "01", "common.entrypoints.request_checks": "01",
+    "common.layers": "01", "common.layers.sampler": "01",
+    "common.entrypoints": "01", "common.entrypoints.chapters": "01",
+    "common.entrypoints.cli_args": "01", "common.entrypoints.launcher": "01",
+    "common.entrypoints.middleware": "01", "common.entrypoints.protocol": "01",
+    "common.entrypoints.responses": "01", "common.entrypoints.simple_app": "01",
+    "common.entrypoints.strict": "01", "common.entrypoints.response_format": "01",
+    # 02: the card
+    "common.memory": "02",
+    # 03: our forward pass, the KV cache, the engine and its step
+    "common.models": "03", "common.models.llama": "03", "common.models.gpt2": "03",
+    "common.layers.attention": "03", "common.layers.attention_selector": "03",
+    "common.layers.logits": "03", "common.layers.cpu_gemm": "03",
+    "common.layers.elementwise": "03", "common.layers.fused": "03",
+    "common.layers.cpu_attention": "03", "common.layers.cpp_extensions": "03",
+    "common.layers.parallel": "03", "common.layers.quantization": "03",
+    "common.core": "03", "common.core.sequence": "03", "common.core.block_manager": "03",
+    "common.core.scheduler": "03",
+    "common.worker": "03", "common.worker.kv_cache": "03",
+    "common.worker.model_runner": "03", "common.worker.worker": "03",
+    "common.worker.cuda_graphs": "03",
+    "common.engine": "03", "common.engine.admission": "03", "common.engine.parts": "03",
+    "common.engine.llm_engine": "03", "common.engine.output_processor": "03",
+    "common.engine.detokenizer": "03", "common.engine.async_llm": "03",
+    "common.metrics": "03", "common.metrics.observers": "03", "common.metrics.stats": "03",
+    "common.metrics.step_events": "03", "common.metrics.kv_events": "03",
+    "common.outputs": "03", "common.entrypoints.serving_engine": "03",
+    "common.entrypoints.chat_server": "03", "common.entrypoints.serving_chat": "03",
+    "common.entrypoints.live_view": "03",
+    # 04: the paged kernels (Triton, on CUDA)
+    "common.layers.triton_kernels": "04",
+    # 05: the offline LLM
+    "common.entrypoints.llm": "05",
+    # 06: the OpenAI server
+    "common.entrypoints.api_server": "06", "common.entrypoints.metrics": "06",
+    "common.entrypoints.serving_completion": "06",
+    "common.entrypoints.serving_tokenization": "06", "common.entrypoints.vllm_routes": "06",
+    # 07: structured outputs and speculative decoding
+    "common.structured_output": "07", "common.structured_output.manager": "07",
+    "common.layers.token_bitmask": "07",
+    "common.spec_decode": "07", "common.spec_decode.speculative": "07",
+    "common.spec_decode.ngram_proposer": "07", "common.layers.rejection_sampler": "07",
+    # 08: the levers
+    "common.layers.quant_kernels": "08", "common.worker.tp_workers": "08",
+    # 09: scale out
+    "common.engine.core": "09", "common.engine.core_client": "09",
+    "common.engine.serial": "09",
+    "common.entrypoints.router": "09", "common.entrypoints.router_core": "09",
+    "common.entrypoints.routing": "09", "common.entrypoints.ray_replicas": "09",
+}
+
+# The libraries a chapter brings in (imported by no earlier chapter).
+LIBRARY_CHAPTERS: dict[str, str] = {"xgrammar": "07", "zmq": "09", "msgpack": "09",
+                                    "ray": "09"}
+
+
+def module_chapter(name: str) -> str | None:
+    """The chapter of a module of common/ or of a chapter library."""
+    return MODULE_CHAPTERS.get(name) or LIBRARY_CHAPTERS.get(name)
+
+
 def not_in_chapter(name: str, chapter: str, adds: str) -> str:
     """The refusal's words, for a flag (`--quantization`) or a field (`` `stream` ``)."""
     return f"{name} is not implemented in chapter {chapter}: chapter {adds} adds it"

@@ -13,6 +13,7 @@ Left out: streaming, text completions, /metrics (chapter 06).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import time
@@ -21,11 +22,12 @@ from typing import Callable
 from fastapi import FastAPI, Request
 
 from common import __version__
-from common.config import EngineConfig, config_from_args
-from common.engine.async_llm import EngineClient, EngineDeadError
-from common.engine.parts import EngineParts
+from common.config import ConfigError, EngineConfig, config_from_args
+from common.engine.async_llm import AsyncLLM, EngineClient, EngineDeadError
+from common.engine.parts import EngineParts, assemble_engine
 from common.entrypoints.chapters import refuse_later_fields
-from common.entrypoints.cli_args import build_engine, parse_server_args, server_parser
+from common.entrypoints.cli_args import (EngineCoreMode, parse_server_args,
+                                         server_parser)
 from common.entrypoints.launcher import serve
 from common.entrypoints.live_view import watch_engine
 from common.entrypoints.middleware import RateLimit, new_app
@@ -75,6 +77,26 @@ def add_live_view_if_asked(app: FastAPI, engine: EngineClient, chapter: str,
     watch_engine(app, engine, chapter)
     key = "?key=YOUR_API_KEY" if getattr(args, "api_key", None) else ""
     log.info("live view: open http://%s:%d/ui/%s in a browser", args.host, args.port, key)
+
+
+def build_engine(parser: argparse.ArgumentParser, config: EngineConfig,
+                 engine_parts: Callable[[EngineConfig], EngineParts],
+                 args: argparse.Namespace) -> EngineClient:
+    """The chapter's engine (its parts: `engine_parts(config)`) where the
+    flags put it: `AsyncLLM` on a thread of this process (ch03-08, and
+    ch09's `--engine-core in-process`), or `AsyncMPClient` with
+    `--data-parallel-size` processes (ch09, imported only then: ZeroMQ and
+    msgpack are chapter 09's). Flags that do not fit the model
+    (`--tensor-parallel-size 2` for 9 heads, ch08) exit as a usage error."""
+    try:
+        parts = engine_parts(config)
+        if getattr(args, "engine_core", EngineCoreMode.IN_PROCESS) is EngineCoreMode.PROCESS:
+            from common.engine.core import EngineCoreSpec  # ch09
+            from common.engine.core_client import AsyncMPClient
+            return AsyncMPClient.start(EngineCoreSpec(config, parts), args.data_parallel_size)
+        return AsyncLLM.build(lambda: assemble_engine(config, parts))
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 # ----------------------------------------------------- chapters 03-05

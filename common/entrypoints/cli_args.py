@@ -5,10 +5,8 @@
 `api_server_parser` adds chapter 06's `--api-key`, `--max-waiting` and
 `--disable-fastapi-docs`; chapter 09's `--data-parallel-size` and
 `--engine-core`. `parse_server_args` refuses, by name, a flag that a
-later chapter adds (the table is common/entrypoints/chapters.py), and
-`build_engine` starts the engine where the flags say (a thread of this
-process, or processes of its own, ch09) and turns a flag that does not
-fit the model (`--tensor-parallel-size 2` for 9 heads) into a usage error.
+later chapter adds (the table is common/entrypoints/chapters.py).
+Starting the engine where the flags say is chat_server.py's `build_engine`.
 
 Left out: vLLM's config files (`--config`), SSL flags, `--uds`.
 """
@@ -18,11 +16,7 @@ import argparse
 import logging
 from enum import StrEnum
 
-from typing import Callable
-
-from common.config import ConfigError, EngineConfig, add_engine_args, resolve_model_flags
-from common.engine.async_llm import AsyncLLM, EngineClient
-from common.engine.parts import EngineParts, assemble_engine
+from common.config import add_engine_args, resolve_model_flags
 from common.entrypoints.chapters import (
     FLAG_CHAPTERS,
     hide_later_flags,
@@ -123,23 +117,3 @@ def check_scale_out_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     if mode is EngineCoreMode.PROCESS and args.live_view:
         parser.error("--live-view watches an engine in the server's own process: "
                      "add --engine-core in-process")
-
-
-def build_engine(parser: argparse.ArgumentParser, config: EngineConfig,
-                 engine_parts: Callable[[EngineConfig], EngineParts],
-                 args: argparse.Namespace) -> EngineClient:
-    """The chapter's engine (its parts: `engine_parts(config)`) where the
-    flags put it: `AsyncLLM` on a thread of this process (ch03-08, and
-    ch09's `--engine-core in-process`), or `AsyncMPClient` with
-    `--data-parallel-size` processes (ch09, imported only then: ZeroMQ and
-    msgpack are chapter 09's). Flags that do not fit the model
-    (`--tensor-parallel-size 2` for 9 heads, ch08) exit as a usage error."""
-    try:
-        parts = engine_parts(config)
-        if getattr(args, "engine_core", EngineCoreMode.IN_PROCESS) is EngineCoreMode.PROCESS:
-            from common.engine.core import EngineCoreSpec  # ch09
-            from common.engine.core_client import AsyncMPClient
-            return AsyncMPClient.start(EngineCoreSpec(config, parts), args.data_parallel_size)
-        return AsyncLLM.build(lambda: assemble_engine(config, parts))
-    except ConfigError as exc:
-        parser.error(str(exc))

@@ -46,12 +46,8 @@ from common.entrypoints.responses import (
     prompt_logprobs,
     sse,
 )
-from common.entrypoints.serving_engine import (
-    OpenAIServing,
-    check_model_name,
-    event_stream,
-    usage,
-)
+from common.entrypoints.request_checks import check_model_name, usage
+from common.entrypoints.serving_engine import OpenAIServing, event_stream
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
 

@@ -31,11 +31,11 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from common.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
-from common.engine.admission import DEFAULT_MAX_TOKENS, ContextLengthError, check_context_length
-from common.entrypoints.metrics import Metrics
+from common.context_length import DEFAULT_MAX_TOKENS, ContextLengthError
 from common.entrypoints.middleware import APIError, internal_error
+from common.entrypoints.request_checks import context_error
 from common.entrypoints.protocol import SamplingFields
-from common.entrypoints.responses import Usage, sse
+from common.entrypoints.responses import sse
 from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,25 +47,6 @@ MAX_LOGPROBS = 20  # top logprobs per token at most: vLLM's default --max-logpro
 
 
 # ------------------------------------------------ checks every chapter shares
-def check_model_name(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist.",
-                       "not_found_error", "model", "model_not_found")
-
-
-def context_error(exc: ContextLengthError, param: str) -> APIError:
-    return APIError(400, str(exc), param=param, code="context_length_exceeded")
-
-
-def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
-                  param: str) -> None:
-    """The engine's context rule, as a 400 naming the prompt's field (ch01-02)."""
-    try:
-        check_context_length(num_prompt_tokens, max_tokens, max_model_len)
-    except ContextLengthError as exc:
-        raise context_error(exc, param) from None
-
-
 def engine_error(exc: BaseException) -> APIError:
     """What a request's client sees when the engine could not serve it."""
     if isinstance(exc, APIError):
@@ -77,12 +58,6 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(500, f"This request failed inside the engine: {exc}",
                         "internal_server_error")
     return internal_error(exc)
-
-
-def usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
-    prompt_tokens = sum(len(p) for p in prompts)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
 
 
 # ------------------------------------------------------------- the wire
@@ -136,7 +111,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, *,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 max_waiting: int | None = None, metrics: Metrics | None = None):
+                 max_waiting: int | None = None, metrics=None):
         """`default_max_tokens`: for a request that gives none (None: all
         that fits, as vLLM; ch06). `max_waiting`: most requests waiting for
         a slot, more get a 503 (None: no limit; ch06). `metrics`: where the

@@ -14,7 +14,8 @@ from pydantic import Field
 
 from common.entrypoints.middleware import APIError
 from common.entrypoints.protocol import ChatMessage, ChatTemplateFlags, StrictModel, Text
-from common.entrypoints.serving_engine import OpenAIServing, check_model_name
+from common.entrypoints.request_checks import check_model_name
+from common.entrypoints.serving_engine import OpenAIServing
 from common.loader import apply_chat_template
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Literal
 from fastapi import FastAPI
 
 from common import __version__
-from common.engine.admission import default_max_tokens
+from common.context_length import default_max_tokens
 from common.entrypoints.chapters import refuse_later_fields
 from common.entrypoints.middleware import new_app
 from common.entrypoints.protocol import ChatCompletionRequest
@@ -38,7 +38,7 @@ from common.entrypoints.responses import (
     ResponseMessage,
     new_id,
 )
-from common.entrypoints.serving_engine import check_context, check_model_name, usage
+from common.entrypoints.request_checks import check_context, check_model_name, usage
 from common.loader import apply_chat_template
 
 

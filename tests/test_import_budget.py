@@ -1,0 +1,68 @@
+"""The import budget: each chapter loads its own and earlier chapters' modules, no more.
+
+Each chapter's server.py runs with its default flags in a fresh
+interpreter and answers one chat request; from chapter 05 on, the
+chapter's offline `LLM` generates too (tests/check_imports.py). Every
+module of `common` it loaded must belong to that chapter or an earlier
+one (`MODULE_CHAPTERS`, common/entrypoints/chapters.py), and so must the
+libraries that a chapter brings in: xgrammar (07), ZeroMQ, msgpack and
+Ray (09). Chapter 08 with its default flags never loads its
+tensor-parallel worker processes (they come with
+`--tensor-parallel-size` above 1: tests/test_tensor_parallel.py).
+
+The same table makes the README's chapter table: the test checks that the
+README shows what it generates.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.entrypoints.chapters import CHAPTER_FOLDERS, MODULE_CHAPTERS, module_chapter
+from tests.check_imports import loaded_modules, over_budget, readme_table
+
+pytestmark = pytest.mark.layout
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PROCESS = {"common.engine.core", "common.engine.core_client", "common.engine.serial"}
+SPECULATION = {"common.spec_decode.speculative", "common.spec_decode.ngram_proposer",
+               "common.layers.rejection_sampler"}
+
+
+def modules_on_disk() -> set[str]:
+    names = set()
+    for path in (ROOT / "common").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_module_of_common_has_a_chapter():
+    assert set(MODULE_CHAPTERS) == modules_on_disk()
+    assert set(MODULE_CHAPTERS.values()) <= set(CHAPTER_FOLDERS)
+
+
+@pytest.mark.parametrize("chapter", sorted(CHAPTER_FOLDERS))
+def test_a_chapter_loads_no_later_chapter(chapter):
+    modules = loaded_modules(chapter)
+    assert over_budget(chapter, modules) == []
+    if chapter < "09":
+        assert not {"zmq", "msgpack", "ray"} & set(modules)
+        assert not ENGINE_PROCESS & set(modules)
+    if chapter < "07":
+        assert "xgrammar" not in modules and not SPECULATION & set(modules)
+    assert "common.worker.tp_workers" not in modules  # default flags: one rank
+    if chapter >= "03":  # the engine's own parts are really there
+        assert "common.engine.llm_engine" in modules
+
+
+def test_the_budget_check_sees_a_later_chapters_module():
+    assert over_budget("05", ["common.engine.core", "common.core.scheduler"]) == [
+        "common.engine.core: chapter 09's"]
+    assert over_budget("03", ["common.nowhere"]) == ["common.nowhere: not in MODULE_CHAPTERS"]
+    assert module_chapter("xgrammar") == "07"
+
+
+def test_the_readme_chapter_table_comes_from_the_budget_table():
+    assert readme_table() in (ROOT / "README.md").read_text()

@@ -160,16 +160,16 @@ bench-structured: $(STAMP) ## chapter 07: structured outputs: xgrammar compile t
 	$(PY) -m bench.experiments.structured_outputs
 
 figures: $(STAMP) ## every results .md written again from its .json; then every figure on the pages checked against its file
-	$(PY) -m bench.pages.figures
+	$(PY) -m pictures.make.figures
 
 samples: $(STAMP) ## the sample outputs the pages quote (answers, /stats, log lines, traces), from real runs (~5 min)
-	$(PY) -m bench.pages.samples
+	$(PY) -m pictures.make.samples
 
 pictures: $(STAMP) ## the course's pictures (KV pool, timelines, card, engine map) from pictures/data/, redrawn
-	$(PY) -m bench.pages.pictures
+	$(PY) -m pictures.make.pictures
 
 traces: $(STAMP) ## the pictures' data: the engine run in-process, chapters 03-05 under one load, + the card (pictures/data/, ~1 min)
-	$(PY) -m bench.pages.pictures --record
+	$(PY) -m pictures.make.pictures --record
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server (from PyPI's llama-cpp-python sdist) + f32/bf16 GGUFs in .llamacpp/ (~30 min, once)
 	nice -n 19 $(PY) -m bench.peers.llamacpp build --jobs $(or $(JOBS),2)
@@ -224,7 +224,7 @@ vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's
 	$(PY) -m pytest -m vllm
 
 vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run for real on vLLM: bench/results/*-vllm-steps.md
-	$(PY) -m bench.peers.vllm_steps
+	$(PY) -m bench.peers.vllm_checks steps
 
 # What bench/gpu_check.sh installs on a GPU machine that has torch, triton
 # and transformers (Python 3.12, x86-64): the web stack, the metrics, plots,

@@ -31,7 +31,7 @@ TEXTS = [
 
 
 def conversations() -> list[list[dict]]:
-    """One chat per text (bench/peers/vllm_steps.py gives the real vLLM these same ones)."""
+    """One chat per text (bench/peers/vllm_checks.py gives the real vLLM these same ones)."""
     return [[{"role": "user", "content": f"Summarize in one sentence: {t}"}] for t in TEXTS]
 
 

@@ -38,6 +38,8 @@ from typing import Mapping
 
 import requests
 
+from common.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = {
     "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
@@ -131,7 +133,7 @@ def send_one(base_url: str, index: int, max_tokens: int, stream: bool,
              timeout: float, model: str | None, ignore_eos: bool = True) -> RequestResult:
     """One chat request. `ignore_eos` (a vLLM extra, which our servers and
     llama.cpp's know) makes every answer `max_tokens` long; a server that
-    refuses it is loaded without it (bench.bench), and the tokens counted
+    refuses it is loaded without it (bench.measure.probe), and the tokens counted
     are always those its `usage` reports."""
     body = {"messages": prompt_messages(index), "max_tokens": max_tokens,
             "temperature": 0.0}
@@ -189,13 +191,6 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
     }
 
 
-def free_port() -> int:
-    """A port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_is_free(port: int) -> bool:
     """Nobody listens on it. SO_REUSEADDR, as uvicorn binds: the closed
     connections of a server just stopped (TIME_WAIT) do not count."""
@@ -213,6 +208,15 @@ def fetch_stats(base_url: str) -> dict | None:
         response = requests.get(base_url.rstrip("/") + "/stats", timeout=5)
         return response.json() if response.status_code == 200 else None
     except requests.RequestException:
+        return None
+
+
+def served_model(url: str) -> str | None:
+    """The first model id of the server's /v1/models (None if it has none)."""
+    try:
+        response = requests.get(url + "/v1/models", timeout=10)
+        return response.json()["data"][0]["id"] if response.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError, IndexError, TypeError):
         return None
 
 

@@ -44,18 +44,19 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import record_head, served_model, write_results
 from bench.loadtest import (
     CHAPTERS,
     ROOT,
     RequestResult,
     ServerProcess,
-    free_port,
     run_load,
+    served_model,
     stream_request,
     summarize,
 )
 from bench.peers import vllm_peer
+from bench.record import record_head, write_results
+from common.net import free_port
 
 RESULTS = ROOT / "bench" / "results"
 SERVER = [sys.executable, str(ROOT / CHAPTERS["09"] / "server.py")]

@@ -21,8 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 from hypothesis import Phase, settings  # noqa: E402
 
-from bench.loadtest import ChapterServer, free_port  # noqa: E402
+from bench.loadtest import ChapterServer  # noqa: E402
 from common.loader import load_model  # noqa: E402
+from common.net import free_port  # noqa: E402
 
 # Property tests (tests/test_*_invariants.py) stop at the first failing
 # example instead of shrinking it (shrinking can take minutes on 2 cores);

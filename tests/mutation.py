@@ -315,7 +315,7 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
         "[mutmut]\n"
         "source_paths = common\n"
         f"only_mutate = {target.source}\n"
-        "also_copy = bench\n"
+        "also_copy =\n" + "".join(f"    {name}\n" for name in EXTRA_FOLDERS) +
         # torch is not fork-safe once it has run: workers fork from a
         # server that has only imported and collected the tests
         "process_isolation = forkserver\n"
@@ -331,12 +331,17 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
                         ignore=shutil.ignore_patterns("*.flock", "lock"))
 
 
+# What the tests import beside common/ and tests/: bench/, the pictures'
+# scripts, and the chapters' server.py files (their `engine_parts`).
+EXTRA_FOLDERS = ("bench", "pictures", *sorted(p.name for p in ROOT.glob("0[0-9]-*")))
+
+
 def copy_tree(workdir: Path) -> None:
     """The sources and tests mutmut copies from: a fresh copy, or for
     --resume today's over the last run's (mutmut then re-mutates only the
     functions whose source changed)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".cache")
-    for name in ("common", "tests", "bench"):
+    for name in ("common", "tests", *EXTRA_FOLDERS):
         shutil.copytree(ROOT / name, workdir / name, ignore=ignore, dirs_exist_ok=True)
 
 
@@ -447,7 +452,7 @@ def help_texts(source: Path) -> list[str]:
 
 def write_results(exercise: str, suite: str, statuses: dict[str, str], seconds: float,
                   workdir: Path, resumed: bool = False) -> tuple[Path, list[str]]:
-    from bench.bench import bf16_words, measurement_machine
+    from bench.record import bf16_words, measurement_machine
     counts: dict[str, int] = {}
     for status in statuses.values():
         counts[status] = counts.get(status, 0) + 1

@@ -12,9 +12,10 @@ import pytest
 import requests
 import torch
 
-from bench import bench
-from bench.peers import llamacpp
+from bench import bench, measure, plot, presets, table
 from bench.loadtest import CHAPTERS, prompt_messages
+from bench.peers import llamacpp
+from common.net import free_port
 
 pytestmark = pytest.mark.bench
 TINY = ["--model", "tiny-llama", "--load-format", "dummy"]
@@ -36,55 +37,54 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
         peer = record["rows"].pop(1)
         assert peer["status"] == "skipped" and "embedded model only" in peer["first_error"]
     for row in record["rows"]:
-        assert set(bench.FIGURES) <= set(row), row["name"]
+        assert set(measure.FIGURES) <= set(row), row["name"]
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8), row
         assert row["output_tokens_per_s"] > 0 and row["e2e_p95_s"] > 0
     ch05 = record["rows"][0]
     assert ch05["peak_running"] >= 1 and 0 <= ch05["kv_waste_perc"] <= 100
     assert ch05["peak_kv_reserved_bytes"] >= ch05["peak_kv_used_bytes"] > 0
     assert record["rows"][-1]["ttft_p50_s"] is not None  # generate_batch timestamps
-    table = json_path.with_suffix(".md").read_text()
-    assert "| system | card | load |" in table and "| hf-generate-batch |" in table
-    assert table in capsys.readouterr().out
+    written = json_path.with_suffix(".md").read_text()
+    assert "| system | card | load |" in written and "| hf-generate-batch |" in written
+    assert written in capsys.readouterr().out
     png = tmp_path / "chapters-quick-ch05.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     png.unlink()  # --redraw measures nothing and writes the same table and a figure
     assert bench.main(["--redraw", str(json_path), "--out-dir", str(tmp_path)]) == 0
-    assert json_path.with_suffix(".md").read_text() == table and png.stat().st_size > 10_000
+    assert json_path.with_suffix(".md").read_text() == written and png.stat().st_size > 10_000
 
 
 def test_chapter_02_on_the_demo_card_is_a_row_of_failures(tmp_path):
     # The two clients start together; the first holds its reservation for
     # 64 tokens, far longer than the second takes to arrive on any machine.
-    settings = dataclasses.replace(bench.PRESETS["quick"], chapters=["02"], clients=[2],
+    settings = dataclasses.replace(presets.PRESETS["quick"], chapters=["02"], clients=[2],
                                    max_tokens=64, roomy_card_gb=1.1)
-    rows = bench.run_bench(settings, tmp_path)
+    rows = measure.run_bench(settings, tmp_path)
     [row] = rows
     assert row["status"] == "failures" and (row["completed"], row["failed"]) == (1, 1)
     assert row["first_error"].startswith("HTTP 500") and "out of memory" in row["first_error"]
-    table = bench.markdown_table(rows)
-    assert "**1 / 1**" in table
-    bench.draw_chapters(rows, tmp_path / "failed.png", "chapter 02 on the demo card")
+    assert "**1 / 1**" in table.markdown_table(rows)
+    plot.draw_chapters(rows, tmp_path / "failed.png", "chapter 02 on the demo card")
     assert (tmp_path / "failed.png").stat().st_size > 0
 
 
 def test_missing_and_broken_servers_are_rows_not_crashes(tmp_path, monkeypatch):
-    settings = dataclasses.replace(bench.PRESETS["quick"], model="tiny-llama",
+    settings = dataclasses.replace(presets.PRESETS["quick"], model="tiny-llama",
                                    load_format="dummy")
     monkeypatch.setitem(CHAPTERS, "07", "07-not-written")
-    [skipped] = bench.measure_chapter(bench.Entry("07", "07", clients=[2]), settings, tmp_path)
+    [skipped] = measure.measure_chapter(presets.Entry("07", "07", clients=[2]), settings, tmp_path)
     assert skipped["status"] == "skipped" and "not written yet" in skipped["first_error"]
     # A card too small for the weights: the server exits at startup.
-    tiny_card = bench.Entry("05", "05", card_gb=0.001, clients=[2])
-    [broken] = bench.measure_chapter(tiny_card, settings, tmp_path)
+    tiny_card = presets.Entry("05", "05", card_gb=0.001, clients=[2])
+    [broken] = measure.measure_chapter(tiny_card, settings, tmp_path)
     assert broken["status"] == "error" and "failed to start" in broken["first_error"]
-    text = bench.markdown_table([skipped, broken]) + "\n".join(bench.notes([skipped, broken]))
+    text = table.markdown_table([skipped, broken]) + "\n".join(table.notes([skipped, broken]))
     assert "| skipped |" in text and "| error |" in text and "failed to start" in text
 
 
 def _row(name, clients, tokens_per_s, failed=0, chapter="05"):
-    entry = bench.Entry(name, chapter, card_gb=1.1)
-    row = bench.empty_row(entry, clients, "failures" if failed else "ok")
+    entry = presets.Entry(name, chapter, card_gb=1.1)
+    row = measure.empty_row(entry, clients, "failures" if failed else "ok")
     row.update(completed=clients - failed, failed=failed, output_tokens_per_s=tokens_per_s,
                e2e_p95_s=2.0, e2e_p50_s=1.0)
     return row
@@ -94,36 +94,37 @@ def test_ratios_against_chapter_02_and_the_sweep_figure(tmp_path):
     rows = [_row("02", c, 0.0, failed=c - 1, chapter="02") for c in (1, 2, 4)]
     rows += [_row("02 (roomy)", c, 8.0, chapter="02") for c in (1, 2, 4)]
     rows += [_row("05", c, 8.0 * c) for c in (1, 2, 4)]
-    bench.add_ratios(rows)
+    measure.add_ratios(rows)
     assert [r["x_ch02"] for r in rows if r["name"] == "05"] == [1.0, 2.0, 4.0]
-    bench.draw_sweep(rows, tmp_path / "sweep.png", "synthetic sweep")
+    plot.draw_sweep(rows, tmp_path / "sweep.png", "synthetic sweep")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     roomy_failed = [_row("02", 4, 10.0, failed=3, chapter="02"), _row("05", 4, 50.0)]
-    bench.add_ratios(roomy_failed)  # a chapter 02 row with failures is no baseline
+    measure.add_ratios(roomy_failed)  # a chapter 02 row with failures is no baseline
     assert roomy_failed[1]["x_ch02"] is None
 
 
 def test_x_vllm_pairs_each_row_with_the_vllm_row_of_its_dtype():
     def peer(dtype, tokens_per_s):
-        row = bench.empty_row(bench.Entry(f"vLLM {dtype}", peer=bench.VLLM, dtype=dtype), 32, "ok")
+        entry = presets.Entry(f"vLLM {dtype}", peer=presets.VLLM, dtype=dtype)
+        row = measure.empty_row(entry, 32, "ok")
         row.update(completed=32, failed=0, output_tokens_per_s=tokens_per_s)
         return row
     ours = [_row("06", 32, 90.0), _row("06 bfloat16", 32, 300.0)]
     ours[0]["dtype"], ours[1]["dtype"] = "float32", "bfloat16"
     rows = ours + [peer("float32", 100.0), peer("bfloat16", 200.0)]
-    bench.add_vllm_ratios(rows)
+    measure.add_vllm_ratios(rows)
     assert [r["x_vllm"] for r in rows] == [0.9, 1.5, 1.0, 1.0]
     settings = bench.settings_from_args(bench.parser().parse_args(
         ["--peers", "vllm", "--chapters", "02", "05", "06"]))
     assert settings.levers == ["bfloat16"]  # chapter 06 beside vLLM's bfloat16 row
-    assert bench.run_label(settings) == "-ch02-05-06-vllm"
-    assert bench.figure_name(settings) == "chapters-ch02-05-06-vllm.png"
-    assert [e.name for e in bench.plan(settings)][-2:] == ["vLLM 0.32.0 float32",
-                                                           "vLLM 0.32.0 bfloat16"]
+    assert presets.run_label(settings) == "-ch02-05-06-vllm"
+    assert presets.figure_name(settings) == "chapters-ch02-05-06-vllm.png"
+    assert [e.name for e in presets.plan(settings)][-2:] == ["vLLM 0.32.0 float32",
+                                                             "vLLM 0.32.0 bfloat16"]
 
 
 def test_the_bench_plan_gives_chapter_01_a_lighter_load_and_02_two_cards():
-    entries = bench.plan(bench.PRESETS["default"])
+    entries = presets.plan(presets.PRESETS["default"])
     names = [e.name for e in entries]
     assert names == ["01", "02", "02 (roomy)", "03", "04", "05", "06"]
     ch01 = entries[0]
@@ -155,8 +156,8 @@ def test_a_running_server_at_a_url_is_one_more_row(start_server, tmp_path):
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8)
         assert row["stream"] is False and "whole answers" in row["note"]
         assert row["peak_kv_used_bytes"] > 0  # our server has /stats
-    table = json_path.with_suffix(".md").read_text()
-    assert "| by-url | - | 2x1x4 |" in table and "a running server at" in table
+    written = json_path.with_suffix(".md").read_text()
+    assert "| by-url | - | 2x1x4 |" in written and "a running server at" in written
 
 
 class _NoExtrasServer(BaseHTTPRequestHandler):
@@ -196,9 +197,9 @@ def test_a_server_that_refuses_ignore_eos_is_loaded_without_it_and_the_row_says_
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
-        settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], urls=[url],
+        settings = dataclasses.replace(presets.PRESETS["quick"], chapters=[], urls=[url],
                                        clients=[2], max_tokens=4)
-        [row] = bench.run_bench(settings, tmp_path)
+        [row] = measure.run_bench(settings, tmp_path)
     finally:
         httpd.shutdown()
     assert (row["name"], row["status"], row["completed"]) == ("strict-model", "ok", 2)
@@ -209,23 +210,23 @@ def test_a_server_that_refuses_ignore_eos_is_loaded_without_it_and_the_row_says_
 
 def test_the_llama_cpp_row_says_how_to_build_it_and_the_bench_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp, "BINARY", tmp_path / "no-llama-server")
-    settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], clients=[2],
-                                   peers=[bench.LLAMACPP])
-    [row] = bench.run_bench(settings, tmp_path)
+    settings = dataclasses.replace(presets.PRESETS["quick"], chapters=[], clients=[2],
+                                   peers=[presets.LLAMACPP])
+    [row] = measure.run_bench(settings, tmp_path)
     assert (row["name"], row["status"]) == ("llama.cpp f32", "skipped")
     assert "make llama-server" in row["first_error"]
-    assert "make llama-server" in "\n".join(bench.notes([row]))
+    assert "make llama-server" in "\n".join(table.notes([row]))
 
 
 def test_peers_and_urls_from_the_command_line():
     def settings(*argv):
         return bench.settings_from_args(bench.parser().parse_args(list(argv)))
-    assert settings("--peers").peers == bench.ALL_PEERS
+    assert settings("--peers").peers == presets.ALL_PEERS
     assert settings("--peers", "llama-cpp").peers == ["llama-cpp"]
     assert settings().peers == [] and settings("--chapters", "none").chapters == []
     s = settings("--url", "http://a:1/", "--url", "http://b:2", "--url-name", "vllm",
                  "--llamacpp-dtype", "bf16", "--peers", "llama-cpp")
-    names = [e.name for e in bench.plan(s) if e.chapter is None]
+    names = [e.name for e in presets.plan(s) if e.chapter is None]
     assert names == ["vllm", "b:2", "llama.cpp bf16"]
 
 
@@ -234,10 +235,10 @@ def test_levers_are_chapter_06_rows_with_their_flags():
         return bench.settings_from_args(bench.parser().parse_args(list(argv)))
     assert settings("--levers").levers == ["int8", "int4"]
     s = settings("--chapters", "05", "--levers", "int4", "tp3", "--card", "1.1")
-    levers = [e for e in bench.plan(s) if e.server_flags]
+    levers = [e for e in presets.plan(s) if e.server_flags]
     assert [(e.name, e.chapter, e.card_gb) for e in levers] == [("08 int4", "08", 1.1),
                                                                 ("08 tp3", "08", 1.1)]
-    args = bench.server_args(s, 1.1) + levers[1].server_flags
+    args = measure.server_args(s, 1.1) + levers[1].server_flags
     assert args[-2:] == ["--tensor-parallel-size", "3"]
 
 
@@ -248,13 +249,13 @@ def test_llama_server_runs_the_same_prompts_through_the_gguf_chat_template(tmp_p
     tokenizes our prompts through the chat template to the very ids our
     chapters feed their engine."""
     from common.loader import apply_chat_template, load_model
-    settings = dataclasses.replace(bench.PRESETS["quick"], chapters=[], clients=[2],
-                                   max_tokens=4, peers=[bench.LLAMACPP])
-    [row] = bench.run_bench(settings, tmp_path)
+    settings = dataclasses.replace(presets.PRESETS["quick"], chapters=[], clients=[2],
+                                   max_tokens=4, peers=[presets.LLAMACPP])
+    [row] = measure.run_bench(settings, tmp_path)
     assert (row["status"], row["completed"], row["output_tokens"]) == ("ok", 2, 8), row
     assert llamacpp.build_info()["llama_cpp_commit"] in row["note"]
     tokenizer = load_model("smollm2", dtype="float32", device="cpu").tokenizer
-    with llamacpp.LlamaServer("f32", bench.free_port(), 1, 4, tmp_path / "l.log") as server:
+    with llamacpp.LlamaServer("f32", free_port(), 1, 4, tmp_path / "l.log") as server:
         for i in range(3):
             answer = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
                 "messages": prompt_messages(i), "max_tokens": 1, "temperature": 0}).json()

@@ -1,4 +1,4 @@
-"""Every figure from its results file (bench/pages/figures.py): each results
+"""Every figure from its results file (pictures/make/figures.py): each results
 markdown is what its JSON renders to, each measured figure on a page is in a
 results file its section names, each quoted sample is in its samples file;
 and a number changed in a results file makes these fail."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pages import figures
+from pictures.make import figures
 
 pytestmark = pytest.mark.slides
 ROOT = figures.ROOT

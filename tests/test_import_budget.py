@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from common.entrypoints.chapters import CHAPTER_FOLDERS, MODULE_CHAPTERS, module_chapter
-from tests.check_imports import loaded_modules, over_budget, readme_table
+from tests.check_imports import loaded_modules, over_budget, page_block, readme_table
 
 pytestmark = pytest.mark.layout
 
@@ -66,3 +66,9 @@ def test_the_budget_check_sees_a_later_chapters_module():
 
 def test_the_readme_chapter_table_comes_from_the_budget_table():
     assert readme_table() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("chapter", sorted(CHAPTER_FOLDERS))
+def test_each_chapter_page_lists_the_modules_the_table_gives_it(chapter):
+    text = (ROOT / CHAPTER_FOLDERS[chapter] / "README.md").read_text()
+    assert page_block(chapter) in text, "python -m tests.check_imports --write-pages"

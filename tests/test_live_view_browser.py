@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench.loadtest import ChapterServer, free_port, run_load
+from bench.loadtest import ChapterServer, run_load
+from common.net import free_port
 from tests.conftest import ROOT
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")

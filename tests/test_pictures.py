@@ -1,4 +1,4 @@
-"""The pictures (bench/pages/pictures.py, `make pictures`): every PNG of
+"""The pictures (pictures/make/pictures.py, `make pictures`): every PNG of
 pictures/ is drawn from its data file as it is now, a changed data file
 or a stray PNG is reported, drawing is deterministic, and the traces are
 the engine's: no block both free and used, ref counts that match the
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pages import pictures
+from pictures.make import pictures
 
 pytestmark = pytest.mark.slides
 DATA = pictures.DATA_DIR

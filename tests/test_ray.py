@@ -24,8 +24,9 @@ import pytest
 import ray
 import requests
 
-from bench.loadtest import free_port, kill_process_group
+from bench.loadtest import kill_process_group
 from common.entrypoints.ray_replicas import NAMESPACE
+from common.net import free_port
 from tests.conftest import PROMPTS, ROOT, openai_client, wait_for
 
 SERVER_FLAGS = ["--dtype", "float32", "--device-memory-gb", "1.1", "--engine-core", "in-process"]

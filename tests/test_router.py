@@ -14,9 +14,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.loadtest import free_port
 from common.entrypoints.router import Router, build_router_app
 from common.entrypoints.routing import PrefixAwarePolicy, Replica, RoundRobinPolicy
+from common.net import free_port
 from tests.conftest import openai_client
 
 

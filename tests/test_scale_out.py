@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from bench.loadtest import ChapterServer, ServerProcess, free_port
+from bench.loadtest import ChapterServer, ServerProcess
+from common.net import free_port
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ch09

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.peers.vllm_diff import PROMPT_SET
+from bench.peers.vllm_checks import PROMPT_SET
 from common.config import SpeculativeConfig
+from common.core.scheduler import ContinuousScheduler
 from common.spec_decode.ngram_proposer import NgramProposer
 from common.layers.rejection_sampler import greedy_verify
 from common.loader import apply_chat_template
@@ -321,3 +322,38 @@ def test_a_batch_size_schedule_sets_k(embedded, prompt_set):
     with pytest.raises(ValueError, match="schedule"):
         SpeculativeConfig.parse({"num_speculative_tokens": 2,
                                  "num_speculative_tokens_per_batch_size": [[1, 8, 3]]})
+
+
+class CountingScheduler(ContinuousScheduler):
+    """A learner's scheduler: chapter 05's, counting the steps it scheduled."""
+
+    def schedule(self):
+        self.num_scheduled = getattr(self, "num_scheduled", 0) + 1
+        return super().schedule()
+
+
+def test_drafts_go_on_the_scheduler_a_learner_hands_in(embedded):
+    """`with_drafts` keeps the scheduler class it is given (never chapter
+    05's in its place): the engine's scheduler is the learner's class with
+    drafts, it runs every step, drafts are accepted and the tokens stay
+    greedy's. The parts still pickle (chapter 09's engine processes)."""
+    import pickle
+    from dataclasses import replace
+
+    from common.engine.parts import EngineParts
+    from common.spec_decode.speculative import DraftScheduling, with_drafts
+    from tests.components import Components
+
+    ids = apply_chat_template(embedded.tokenizer, [{"role": "user", "content": REPEAT}])
+    want = run(make_engine(embedded), {"x": ids}, greedy(32))["x"]
+    engine = make_engine(embedded, impl=replace(Components(), ContinuousScheduler=CountingScheduler),
+                         speculative_config=SPEC)
+    assert isinstance(engine.scheduler, CountingScheduler)
+    assert isinstance(engine.scheduler, DraftScheduling)
+    got = run(engine, {"x": ids}, greedy(32))["x"]
+    assert got.token_ids == want.token_ids
+    assert engine.scheduler.num_scheduled > 0
+    assert engine.snapshot()["spec_decode_num_accepted_tokens"] > 0
+    parts = with_drafts(EngineParts(scheduler_cls=CountingScheduler),
+                        SpeculativeConfig.parse(SPEC))
+    assert pickle.loads(pickle.dumps(parts)) == parts

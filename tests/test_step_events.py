@@ -259,11 +259,11 @@ def test_vllms_own_decoder_reads_our_kv_events(tiny_llama, tmp_path):
 
 
 def test_a_recording_draws_the_kv_pool_over_time(small_pool, tmp_path):
-    """The pictures' KV pool (bench/pages/pictures.py) from a recording:
+    """The pictures' KV pool (pictures/make/pictures.py) from a recording:
     each step's column is that frame's pool, coloured by request."""
     import numpy as np
 
-    from bench.pages.pictures import pool_cells, trace_from_recording
+    from pictures.make.pictures import pool_cells, trace_from_recording
     path = tmp_path / "run.jsonl"
     recorder = JsonlRecorder(str(path), small_pool.describe())
     small_pool.enable_step_events().subscribe(recorder)

@@ -1,6 +1,6 @@
 """Differential tests (chapter 08): the course's `vllm serve` against the
 real vLLM, both in float32, greedy (`make vllm-check`;
-bench/peers/vllm_diff.py does the comparing).
+bench/peers/vllm_checks.py does the comparing).
 
 They need the real vLLM (`make vllm`, its own venv) and skip with that
 reason without it. One vLLM server and one chapter 08 server (chapter 06's
@@ -16,8 +16,9 @@ import re
 import pytest
 import requests
 
-from bench.peers import vllm_diff, vllm_peer
-from bench.loadtest import ROOT, free_port
+from bench.peers import vllm_checks, vllm_peer
+from bench.loadtest import ROOT
+from common.net import free_port
 
 NOT_INSTALLED = vllm_peer.missing()
 needs_vllm = pytest.mark.skipif(NOT_INSTALLED is not None, reason=str(NOT_INSTALLED))
@@ -40,14 +41,14 @@ def kv_ports() -> dict[str, int]:
 def vllm_server(tmp_path_factory, kv_ports):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with vllm_peer.VllmServer(free_port(), log, "float32", extra=[
-            *kv_events_flag(kv_ports["vllm"]), *vllm_diff.ROUTE_FLAGS]) as server:
+            *kv_events_flag(kv_ports["vllm"]), *vllm_checks.ROUTE_FLAGS]) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def ours(start_server, kv_ports):
     # the course's `vllm serve`, float32 (conftest), with vLLM's KV events
-    return start_server("08", *kv_events_flag(kv_ports["ch06"]), *vllm_diff.ROUTE_FLAGS)
+    return start_server("08", *kv_events_flag(kv_ports["ch06"]), *vllm_checks.ROUTE_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +59,18 @@ def urls(ours, vllm_server) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runs(urls, embedded) -> dict:
     """The prompt set through both servers, and HF on the same prompt ids."""
-    return vllm_diff.token_runs(urls, embedded)
+    return vllm_checks.token_runs(urls, embedded)
 
 
 @pytest.fixture(scope="module")
 def wire(ours, vllm_server) -> dict:
-    return vllm_diff.wire_differences(ours.url, vllm_server.url)
+    return vllm_checks.wire_differences(ours.url, vllm_server.url)
 
 
 @needs_vllm
 def test_prompt_set_is_the_courses():
     """At least 32 prompts x 32 tokens, as the issue asks."""
-    assert len(vllm_diff.PROMPT_SET) >= 32 and vllm_diff.MAX_TOKENS >= 32
+    assert len(vllm_checks.PROMPT_SET) >= 32 and vllm_checks.MAX_TOKENS >= 32
 
 
 @needs_vllm
@@ -81,7 +82,7 @@ def test_same_chat_template(runs):
 @needs_vllm
 def test_ch06_tokens_equal_hf(runs):
     """The backbone, over HTTP: chapter 06's greedy tokens are HF's."""
-    agreement = vllm_diff.token_agreement(runs["tokens"])
+    agreement = vllm_checks.token_agreement(runs["tokens"])
     assert agreement["ch06 vs hf"]["diverging"] == []
 
 
@@ -90,8 +91,8 @@ def test_vllm_tokens_equal_ours_or_part_at_a_near_tie(runs, urls, embedded):
     """vLLM's greedy tokens equal chapter 06's and HF's; where they part, HF's
     two best tokens there are within float32 rounding (NEAR_TIE), so the
     kernels' summation order decides, not a bug."""
-    agreement = vllm_diff.token_agreement(runs["tokens"])
-    found = vllm_diff.divergences(urls, embedded, runs)
+    agreement = vllm_checks.token_agreement(runs["tokens"])
+    found = vllm_checks.divergences(urls, embedded, runs)
     for pair in ("ch06 vs vllm", "vllm vs hf"):
         for divergence in found[pair]:
             assert divergence["near_tie"], (pair, divergence)
@@ -102,9 +103,9 @@ def test_vllm_tokens_equal_ours_or_part_at_a_near_tie(runs, urls, embedded):
 def test_wire_differences_are_the_documented_ones(wire):
     """Every field, type or status that differs from vLLM is one that
     WIRE_DIFFERENCES names, with its reason; and each one named still differs."""
-    assert vllm_diff.undocumented(wire) == []
+    assert vllm_checks.undocumented(wire) == []
     found = {f"{name}: {d}" for name, entry in wire.items() for d in entry["differences"]}
-    assert set(vllm_diff.WIRE_DIFFERENCES) <= found, set(vllm_diff.WIRE_DIFFERENCES) - found
+    assert set(vllm_checks.WIRE_DIFFERENCES) <= found, set(vllm_checks.WIRE_DIFFERENCES) - found
 
 
 @needs_vllm
@@ -124,7 +125,7 @@ def test_error_statuses_match(wire):
         if not name.startswith("error"):
             continue
         ours, theirs = entry["ours"]["status"], entry["vllm"]["status"]
-        kept = f"{name}: status: ours {ours}, vLLM {theirs}" in vllm_diff.WIRE_DIFFERENCES
+        kept = f"{name}: status: ours {ours}, vLLM {theirs}" in vllm_checks.WIRE_DIFFERENCES
         assert ours == theirs or kept, name
         if ours >= 400:
             assert set(entry["ours"]["body"]["error"]) >= {"message", "type", "code"}, name
@@ -133,8 +134,8 @@ def test_error_statuses_match(wire):
 @needs_vllm
 def test_our_metric_names_are_vllms(ours, vllm_server):
     """Chapter 06's Prometheus families all exist in vLLM under the same name."""
-    theirs = vllm_diff.metric_names(vllm_server.url)
-    mine = vllm_diff.metric_names(ours.url)
+    theirs = vllm_checks.metric_names(vllm_server.url)
+    mine = vllm_checks.metric_names(ours.url)
     assert mine and mine <= theirs, mine - theirs
 
 
@@ -179,7 +180,7 @@ def test_kv_events_read_alike_from_both(urls, kv_ports, embedded):
 def test_readme_lists_every_wire_difference():
     """Chapter 06's README names each kept difference (needs no vLLM)."""
     readme = (ROOT / "06-openai-server" / "README.md").read_text()
-    missing = [d for d in vllm_diff.WIRE_DIFFERENCES
+    missing = [d for d in vllm_checks.WIRE_DIFFERENCES
                if not re.search(re.escape(f"`{d}`"), readme)]
     assert missing == []
 
@@ -240,5 +241,5 @@ def test_prompt_logprobs_equal_vllms(urls):
         assert a[token]["logprob"] == pytest.approx(b[token]["logprob"], abs=1e-3)
         assert a[token]["decoded_token"] == b[token]["decoded_token"]
         near_tie = [e for e in b.values() if e is not b[token]
-                    and abs(e["logprob"] - b[token]["logprob"]) < vllm_diff.NEAR_TIE]
+                    and abs(e["logprob"] - b[token]["logprob"]) < vllm_checks.NEAR_TIE]
         assert a[token]["rank"] == b[token]["rank"] or near_tie, (a, b)

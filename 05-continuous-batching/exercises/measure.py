@@ -45,8 +45,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import measurement_machine, write_measurement  # noqa: E402
-from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
+from bench.record import (  # noqa: E402
+    add_wait_quiet_args,
+    measurement_machine,
+    wait_for_quiet_machine,
+    write_measurement,
+)
 
 
 def loadtest(args: list[str], port: int) -> dict:

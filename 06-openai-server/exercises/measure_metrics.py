@@ -38,8 +38,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import bf16_words, measurement_machine, write_measurement  # noqa: E402
-from bench.experiments.tensor_parallel import add_wait_quiet_args, wait_for_quiet_machine  # noqa: E402
+from bench.record import (  # noqa: E402
+    add_wait_quiet_args,
+    bf16_words,
+    measurement_machine,
+    wait_for_quiet_machine,
+    write_measurement,
+)
 SCRAPED = re.compile(r"^vllm:(num_requests_(running|waiting)|kv_cache_usage_perc|"
                      r"generation_tokens_total|prompt_tokens_total|prefix_cache_hits_total|"
                      r"time_to_first_token_seconds_count)\{")

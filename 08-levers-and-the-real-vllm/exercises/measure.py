@@ -43,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.bench import measurement_machine, write_measurement  # noqa: E402
+from bench.record import measurement_machine, write_measurement  # noqa: E402
 from common.layers import quantization as quant  # noqa: E402
 
 COMMAND = "python 08-levers-and-the-real-vllm/exercises/measure.py"

@@ -14,7 +14,7 @@ Symmetric: 0.0 is stored as exactly 0, and the row's largest |w| as
 weights keeps its precision next to a row of large ones.
 
 The engine plugs them in through the ops object it takes
-(`LLMEngine(config, quant_ops=...)`, see `quant_ops_for` in
+(`assemble_engine(config, parts, quant_ops=...)`, see `quant_ops_for` in
 common/worker/worker.py): every `QuantLinear` (common/layers/quantization.py)
 calls `quantize_int8` once per weight when the model is quantized, and
 `int8_linear` at every forward pass, for the q/k/v/o and gate/up/down

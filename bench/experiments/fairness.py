@@ -43,8 +43,9 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import bf16_words, machine
-from bench.loadtest import CHAPTERS, ROOT, ServerProcess, free_port
+from bench.record import bf16_words, machine
+from bench.loadtest import CHAPTERS, ROOT, ServerProcess
+from common.net import free_port
 
 RESULTS = ROOT / "bench" / "results"
 DEMO_CARD = ["--device-memory-gb", "1.1", "--dtype", "float32"]

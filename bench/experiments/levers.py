@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench.bench import bf16_words, machine
+from bench.record import bf16_words, machine
 from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine

@@ -39,8 +39,9 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import bf16_words, machine, write_results
-from bench.loadtest import ROOT, ChapterServer, free_port, prompt_messages
+from bench.record import bf16_words, machine, write_results
+from bench.loadtest import ROOT, ChapterServer, prompt_messages
+from common.net import free_port
 
 PASSAGE = ("The river runs past the old mill and under the stone bridge. In spring the river "
            "floods the meadow, and the children watch the water from the bridge. The miller "

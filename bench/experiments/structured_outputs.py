@@ -33,7 +33,7 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from bench.bench import bf16_words, machine, write_results
+from bench.record import bf16_words, machine, write_results
 from bench.loadtest import PROMPTS, ROOT
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine

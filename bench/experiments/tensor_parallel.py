@@ -30,15 +30,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import socket
 import sys
 import time
-from pathlib import Path
-from typing import Callable
 
-from bench.bench import bf16_words, machine
 from bench.loadtest import prompt_messages
+from bench.record import (
+    add_quiet_run_args,
+    bf16_words,
+    machine,
+    render_again,
+    wait_for_quiet_machine,
+)
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.parts import assemble_engine
@@ -46,42 +49,6 @@ from common.worker.worker import RankReport
 from common.loader import apply_chat_template, load_model
 from common.memory import MiB
 from common.sampling_params import SamplingParams
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
-QUIET_LOAD = 1.5
-
-
-def add_wait_quiet_args(p: argparse.ArgumentParser, wait_s: float = 300.0,
-                        below: float = QUIET_LOAD) -> None:
-    """--wait-quiet and --quiet-load: how long to wait for a quiet machine."""
-    p.add_argument("--wait-quiet", type=float, default=wait_s,
-                   help="seconds to wait for a quiet machine first (0: do not wait)")
-    p.add_argument("--quiet-load", type=float, default=below,
-                   help="quiet: a 1-minute load average below this")
-
-
-def add_quiet_run_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a measurement that waits for a quiet machine and writes
-    bench/results/ (this module's and bench/peers/vllm_steps.py's)."""
-    add_wait_quiet_args(p)
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: write the markdown of a results file again")
-
-
-def render_again(results_json: Path, markdown: Callable[[dict], str]) -> None:
-    """--render: the markdown of a results file, from its JSON."""
-    results_json.with_suffix(".md").write_text(markdown(json.loads(results_json.read_text())))
-
-
-def wait_for_quiet_machine(max_wait_s: float, below: float = QUIET_LOAD) -> float:
-    """Wait until the 1-minute load average is below `below` (or give up)."""
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quiet machine",
-              file=sys.stderr)
-        time.sleep(15)
-    return os.getloadavg()[0]
 
 
 def rank_reports(engine: LLMEngine) -> list[RankReport]:

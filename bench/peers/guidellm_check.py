@@ -39,8 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench import served_model
-from bench.loadtest import ROOT, ChapterServer, format_table, free_port, run_load
+from bench.loadtest import ROOT, ChapterServer, format_table, run_load, served_model
+from common.net import free_port
 
 STREAMING_CHAPTERS = {"06", "07", "08"}
 GUIDELLM = ROOT / ".guidellm-venv" / "bin" / "guidellm"

@@ -39,7 +39,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from bench.loadtest import ROOT, ServerProcess, free_port
+from bench.loadtest import ROOT, ServerProcess
+from common.net import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI source package that vendors llama.cpp
 HOME = ROOT / ".llamacpp"  # ignored by git

@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.loadtest import free_port
 from bench.peers.vllm_peer import VllmServer
+from common.net import free_port
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.bench import bf16_words, record_head, write_results
+from bench.record import bf16_words, record_head, write_results
 from common.layers.cpu_gemm import PackedLinear, packs_weights
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV heads of 64, vocabulary 49,152

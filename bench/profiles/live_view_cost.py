@@ -31,9 +31,10 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import bf16_words, record_head, write_results
-from bench.loadtest import ChapterServer, free_port, run_load
+from bench.record import bf16_words, record_head, write_results
+from bench.loadtest import ChapterServer, run_load
 from common.entrypoints.live_view import HISTORY
+from common.net import free_port
 
 CLIENTS, MAX_TOKENS = 32, 64
 WINDOWS, WINDOW_S = 16, 12.0  # served: windows with and without a viewer, in turn

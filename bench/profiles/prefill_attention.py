@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench import bf16_words, record_head, write_results
+from bench.record import bf16_words, record_head, write_results
 from common.layers.attention import paged_prefill_attention
 from common.layers.cpu_attention import SHORT_CHUNK, prefill_as_decode_rows
 

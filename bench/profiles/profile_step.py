@@ -49,10 +49,16 @@ from unittest.mock import patch
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.bench import bf16_words, machine, write_results
 from bench.loadtest import prompt_messages
 from bench.profiles.gemm_bandwidth import read_bandwidth_gb_s
-from bench.experiments.tensor_parallel import add_quiet_run_args, render_again, wait_for_quiet_machine
+from bench.record import (
+    add_quiet_run_args,
+    bf16_words,
+    machine,
+    render_again,
+    wait_for_quiet_machine,
+    write_results,
+)
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.parts import assemble_engine

@@ -110,6 +110,7 @@ MODULE_CHAPTERS: dict[str, str] = {
     "common": "01", "common.autoregressive": "01", "common.config": "01",
     "common.loader": "01", "common.sampling_params": "01",
     "common.context_length": "01", "common.entrypoints.request_checks": "01",
+    "common.net": "01",
     "common.layers": "01", "common.layers.sampler": "01",
     "common.entrypoints": "01", "common.entrypoints.chapters": "01",
     "common.entrypoints.cli_args": "01", "common.entrypoints.launcher": "01",
@@ -156,7 +157,7 @@ MODULE_CHAPTERS: dict[str, str] = {
     # 09: scale out
     "common.engine.core": "09", "common.engine.core_client": "09",
     "common.engine.serial": "09",
-    "common.entrypoints.router": "09", "common.entrypoints.router_core": "09",
+    "common.entrypoints.router": "09",
     "common.entrypoints.routing": "09", "common.entrypoints.ray_replicas": "09",
 }
 

@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,9 +59,9 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from common.entrypoints.launcher import make_server
-from common.entrypoints.router import POLICIES, build_router_app, tokenizer_prompt_ids
-from common.entrypoints.router_core import Router
+from common.entrypoints.router import POLICIES, Router, build_router_app, tokenizer_prompt_ids
 from common.entrypoints.routing import Replica
+from common.net import free_port
 
 log = logging.getLogger("ray-replicas")
 
@@ -76,13 +75,6 @@ def server_script(chapter: str) -> Path:
     if not found:
         raise ValueError(f"no chapter {chapter} under {ROOT}")
     return found[0]
-
-
-def free_port(host: str) -> int:
-    """A port nobody listens on now, on this node's address."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @ray.remote(num_cpus=1)

@@ -33,7 +33,6 @@ quantized weights together with tensor parallelism.
 """
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -163,13 +162,6 @@ def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor,
     h = weight[local_ids.masked_fill(outside, 0)]  # (T, hidden)
     h = h.masked_fill(outside[:, None], 0.0)
     return tp.all_reduce(h)
-
-
-def free_port() -> int:
-    """A free TCP port on localhost, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_tensor_parallel(rank: int, world_size: int, port: int, device: torch.device,

@@ -43,8 +43,9 @@ from common.config import ConfigError, EngineConfig
 from common.worker.model_runner import StepInputs
 from common.worker.worker import (STOP, RankDiedError, RankReport, Worker, WorkerFailed,
                                   rank_device, worker_main)
-from common.layers.parallel import destroy_tensor_parallel, free_port
+from common.layers.parallel import destroy_tensor_parallel
 from common.memory import format_bytes
+from common.net import free_port
 
 log = logging.getLogger("llm-course")
 READY_TIMEOUT_S = 600.0  # loading the model on every rank (a hang guard)

@@ -1,13 +1,14 @@
 """Every figure from its results file: the check behind `make figures` and
 tests/test_figures.py.
 
-    python -m bench.pages.figures            # write every results .md from its .json, then check the pages
-    python -m bench.pages.figures --check    # change nothing: list what is stale (exit 1 if anything is)
+    python -m pictures.make.figures          # write every results .md from its .json, then check the pages
+    python -m pictures.make.figures --check  # change nothing: list what is stale (exit 1 if anything is)
 
 Three checks tie a measurement to the sentence that quotes it:
 
 1. **results file**: `bench/results/X.md` is what the script named in
-   `X.json`'s `command` renders from that JSON (`RENDERERS`). A number
+   `X.json`'s `command` renders from that JSON (`RENDERERS`; a file
+   written before its script moved names the script's earlier home). A number
    changed in either file breaks the equality.
 2. **page**: a measured figure on a page (a README, a slide, an exercise) is
    a number with a unit that only a run produces: tok/s, req/s, a ratio
@@ -32,7 +33,7 @@ A quoted sample output (a log, `/stats`, an answer) right after a
 paragraph that names one of the captures (`"ch03-log-2x64"`, a `## `
 heading) of a `*-samples.md` file its section's `Source:` line names, or
 that names such a file, must be in that capture line for line
-(`misquoted`; bench/pages/samples.py captures them).
+(`misquoted`; pictures/make/samples.py captures them).
 
 Teaching sentences carry no dates and no results paths: on the READMEs
 and the slides, a results path or a date (2026-12-02) appears only on a
@@ -57,25 +58,31 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
-# The module a results file's `command` runs -> the function that writes its .md.
+# What a results file's `command` runs (a module, or a module and its
+# subcommand) -> the function that writes its .md.
 RENDERERS = {
-    "bench.bench": "render_markdown",
-    "common.bench": "render_markdown",  # bench/bench.py's earlier home (2026-11-30 files)
-    "bench.experiments.fairness": "render",
-    "bench.profiles.gemm_bandwidth": "markdown",
-    "bench.experiments.levers": "markdown",
-    "bench.profiles.profile_step": "markdown",
-    "bench.profiles.live_view_cost": "markdown",
-    "bench.profiles.prefill_attention": "markdown",
-    "bench.experiments.spec_decode": "markdown",
-    "bench.experiments.structured_outputs": "markdown",
-    "bench.experiments.tensor_parallel": "markdown",
-    "bench.peers.vllm_diff": "render_markdown",
-    "bench.peers.vllm_steps": "markdown",
-    "bench.pages.samples": "markdown",
-    "bench.gpu.gpu_check": "render",
-    "bench.scale": "markdown",
+    "bench.bench": "bench.table.render_markdown",
+    "common.bench": "bench.table.render_markdown",  # bench/bench.py's earlier home (2026-11-30)
+    "bench.experiments.fairness": "bench.experiments.fairness.render",
+    "bench.profiles.gemm_bandwidth": "bench.profiles.gemm_bandwidth.markdown",
+    "bench.experiments.levers": "bench.experiments.levers.markdown",
+    "bench.profiles.profile_step": "bench.profiles.profile_step.markdown",
+    "bench.profiles.live_view_cost": "bench.profiles.live_view_cost.markdown",
+    "bench.profiles.prefill_attention": "bench.profiles.prefill_attention.markdown",
+    "bench.experiments.spec_decode": "bench.experiments.spec_decode.markdown",
+    "bench.experiments.structured_outputs": "bench.experiments.structured_outputs.markdown",
+    "bench.experiments.tensor_parallel": "bench.experiments.tensor_parallel.markdown",
+    "bench.peers.vllm_checks diff": "bench.peers.vllm_checks.diff_markdown",
+    "bench.peers.vllm_diff": "bench.peers.vllm_checks.diff_markdown",  # its earlier home
+    "bench.peers.vllm_checks steps": "bench.peers.vllm_checks.steps_markdown",
+    "bench.peers.vllm_steps": "bench.peers.vllm_checks.steps_markdown",  # its earlier home
+    "pictures.make.samples": "pictures.make.samples.markdown",
+    "bench.pages.samples": "pictures.make.samples.markdown",  # its earlier home
+    "bench.gpu.gpu_check": "bench.gpu.gpu_check.render",
+    "bench.scale": "bench.scale.markdown",
 }
+# A results file's command: the module it runs, and its subcommand if it has one.
+COMMAND = re.compile(r"python -m ([\w.]+)(?: ([a-z]+)\b)?")
 
 
 def pages() -> list[Path]:
@@ -90,11 +97,15 @@ def renderer(record: dict):
     """The function that renders this record's markdown, or None (a file no
     script renders, such as a load test's --json summary)."""
     command = record.get("command", "") if isinstance(record, dict) else ""
-    match = re.match(r"python -m ([\w.]+)", command)
-    if not match or match.group(1) not in RENDERERS:
+    match = COMMAND.match(command)
+    if not match:
         return None
-    module = match.group(1).replace("common.bench", "bench.bench")
-    return getattr(importlib.import_module(module), RENDERERS[match.group(1)])
+    module, subcommand = match.groups()
+    path = RENDERERS.get(f"{module} {subcommand}") or RENDERERS.get(module)
+    if path is None:
+        return None
+    home, _, function = path.rpartition(".")
+    return getattr(importlib.import_module(home), function)
 
 
 def rendered(json_path: Path) -> str | None:
@@ -475,7 +486,7 @@ def _quoted_capture(before: str, named: dict[str, tuple[Path, list[str]]], page:
 
 def misquoted(path: Path, root: Path = ROOT) -> list[str]:
     """A code block right after a paragraph that names a capture of a
-    samples file (bench/pages/samples.py's) that its section's `Source:` line
+    samples file (pictures/make/samples.py's) that its section's `Source:` line
     names, or that names a samples file itself, quotes it: each of its lines must be
     part of one of the capture's lines (a slide may wrap a long line; "..."
     leaves a part out). Tables laid out anew are checked figure by figure
@@ -553,7 +564,7 @@ TABLE_COLUMNS = ["system", "card", "load", "done / failed", "output tok/s", "x c
 
 
 def comparison_table(record: dict, names: list[str] | None) -> str:
-    from bench.bench import markdown_table
+    from bench.table import markdown_table
     rows = [r for r in record["rows"] if r["status"] not in ("skipped", "error")]
     if names is not None:
         by_name = {r["name"]: r for r in rows}

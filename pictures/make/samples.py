@@ -1,7 +1,7 @@
 """The sample outputs the chapters quote, captured from real runs.
 
-    python -m bench.pages.samples            # all of them (~5 min on 2 cores)
-    python -m bench.pages.samples --only ch05-chat-and-stats ch05-traces
+    python -m pictures.make.samples            # all of them (~5 min on 2 cores)
+    python -m pictures.make.samples --only ch05-chat-and-stats ch05-traces
 
 Each sample is what a learner sees when running the command it names: a
 server's answers (`curl` of one chat request, then `/stats`), its log lines
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import requests
 
-from bench.bench import bf16_words, machine, write_results
-from bench.loadtest import CHAPTERS, ROOT, ChapterServer, free_port, prompt_messages, run_load
+from bench.loadtest import CHAPTERS, ROOT, ChapterServer, prompt_messages, run_load
+from bench.record import bf16_words, machine, write_results
+from common.net import free_port
 
 RESULTS_DIR = ROOT / "bench" / "results"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -206,7 +207,7 @@ def traces() -> dict:
     out["preemption, 3 requests of 64 tokens, 14 blocks"] = _traced(
         engine, {n: n for n in "XYZ"}, with_blocks=True)
     text = "\n\n".join(f"{title}:\n" + "\n".join(lines) for title, lines in out.items())
-    return {"command": "python -m bench.pages.samples --only ch05-traces (the engine in-process, "
+    return {"command": "python -m pictures.make.samples --only ch05-traces (the engine in-process, "
                        "max_num_batched_tokens 64 for chunked prefill)", "text": text}
 
 
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         samples[name] = {**sample, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}"}
         print(samples[name]["text"][:600], flush=True)
     rec = {"date": when.isoformat(timespec="seconds"),
-           "command": "python -m bench.pages.samples", "machine": machine(),
+           "command": "python -m pictures.make.samples", "machine": machine(),
            "samples": {name: samples[name] for name in SAMPLES if name in samples}}
     write_results(args.out_dir, "samples", rec, markdown(rec))
     if failed:

@@ -1,9 +1,9 @@
 """The course's pictures: drawn with matplotlib from the engine's own traces
 and the results files, each from its data file in pictures/data/.
 
-    python -m bench.pages.pictures --record   # make traces: run the engine, write the data
-    python -m bench.pages.pictures            # make pictures: draw every PNG from the data only
-    python -m bench.pages.pictures --check    # change nothing: the pictures whose data changed
+    python -m pictures.make.pictures --record   # make traces: run the engine, write the data
+    python -m pictures.make.pictures            # make pictures: draw every PNG from the data only
+    python -m pictures.make.pictures --check    # change nothing: the pictures whose data changed
 
 What it draws (`PICTURES`, one data file or two each):
 
@@ -57,7 +57,7 @@ PICTURES_DIR = ROOT / "pictures"
 DATA_DIR = PICTURES_DIR / "data"
 RESULTS_DIR = ROOT / "bench" / "results"
 CHAPTERS = ["01", "02", "03", "04", "05", "06", "07", "08"]
-COMMAND = "python -m bench.pages.pictures --record"
+COMMAND = "python -m pictures.make.pictures --record"
 
 # --------------------------------------------------------------- the load
 CELL = 16  # tokens in one cell of the pool pictures: one block of chapters 04-05

@@ -161,7 +161,7 @@ def page_block(chapter: str) -> str:
             f"`common/entrypoints/chapters.py`), this chapter's server is the first to load: "
             f"{paths}" + (f"; and the libraries {', '.join(libraries)}" if libraries else "")
             + ".")
-    return f"{PAGE_START}\n{line}\n{PAGE_END}"
+    return f"{PAGE_START}{line}{PAGE_END}"
 
 
 def write_page(chapter: str) -> bool:
@@ -175,7 +175,7 @@ def write_page(chapter: str) -> bool:
     else:
         heading = text.index(PAGE_HEADING)
         line_end = text.index("\n", heading)
-        new = text[:line_end + 1] + "\n" + page_block(chapter) + "\n" + text[line_end + 1:]
+        new = text[:line_end + 1] + page_block(chapter) + "\n" + text[line_end + 1:]
     path.write_text(new)
     return new != text
 

@@ -6,16 +6,15 @@ and chapters 03-06 run without chapter 07's libraries.
   server.py does so before it loads the model;
 - every chapter's app answers a later chapter's request field with a 400
   naming the chapter that adds it, and serves the fields it has;
-- the engines of chapters 03, 04, 05 and 06 build and generate with
-  `import xgrammar` made to fail, and without importing the speculation
-  modules; chapter 07's server is the first to need them.
+- chapter 07's server.py is the first to name the grammar step and the
+  speculation modules (what each chapter really loads is the import
+  budget's: tests/test_import_budget.py).
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from fastapi.testclient import TestClient
@@ -192,70 +191,10 @@ def test_response_format_text_is_the_default_everywhere(engine):
     assert answer.status_code == 200, answer.text
 
 
-# ------------------------------------------------- chapters 03-06 without xgrammar
-NO_XGRAMMAR = textwrap.dedent("""
-    import runpy, sys
-    sys.modules["xgrammar"] = None  # `import xgrammar` now raises ImportError
-    try:
-        import xgrammar  # noqa: F401
-        raise SystemExit("xgrammar imported")
-    except ImportError:
-        pass
-    from fastapi.testclient import TestClient
-    from common.config import EngineConfig
-    from common.engine.async_llm import AsyncLLM
-    from common.engine.parts import assemble_engine
-    from common.core.scheduler import ContinuousScheduler, StaticScheduler
-    from common.entrypoints.api_server import build_app, build_engine_chat_app
-    from common.loader import load_model
-    from common.sampling_params import SamplingParams
-    for folder in sys.argv[1:]:  # chapters 03-06's server.py import, nothing more
-        runpy.run_path(f"{folder}/server.py", run_name="not_main")
-    loaded = load_model("smollm2", "float32", "cpu")
-    engines = {
-        "03": dict(scheduler_cls=StaticScheduler, config=EngineConfig(
-            dtype="float32", block_size=None, max_num_seqs=1, device_memory_gb=2.0)),
-        "04": dict(scheduler_cls=StaticScheduler, config=EngineConfig(
-            dtype="float32", enable_prefix_caching=True, device_memory_gb=2.0)),
-        "05": dict(scheduler_cls=ContinuousScheduler, config=EngineConfig(
-            dtype="float32", enable_prefix_caching=True, device_memory_gb=2.0))}
-    for chapter, parts in engines.items():  # chapter 03's blocks hold 8,192 tokens each
-        engine = assemble_engine(parts["config"], scheduler_cls=parts["scheduler_cls"],
-                           loaded=loaded, num_blocks=2 if chapter == "03" else 16)
-        engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
-        done = []
-        while engine.has_unfinished_requests():
-            done += [o for o in engine.step() if o.finished]
-        assert len(done[0].outputs[0].token_ids) == 4, chapter
-        print("engine", chapter, "ok")
-    engine = AsyncLLM(assemble_engine(engines["05"]["config"], loaded=loaded, num_blocks=16))
-    for chapter, app in (("05", build_engine_chat_app("ch05", engine, "m", "05")),
-                         ("06", build_app(engine, "m", chapter="06"))):
-        answer = TestClient(app).post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
-        assert answer.status_code == 200, answer.text
-        print("server", chapter, "ok")
-    engine.close()
-    loaded_later = [m for m in ("xgrammar", "common.structured_output.manager",
-                                "common.spec_decode.speculative", "common.spec_decode.ngram_proposer",
-                                "common.layers.rejection_sampler", "common.layers.token_bitmask")
-                    if sys.modules.get(m) is not None]
-    assert loaded_later == [], loaded_later
-    print("no chapter 07 module imported")
-""")
-
-
-def test_chapters_03_to_06_build_and_generate_without_xgrammar():
-    folders = [str(ROOT / CHAPTERS[c]) for c in ("03", "04", "05", "06")]
-    done = subprocess.run([sys.executable, "-c", NO_XGRAMMAR, *folders], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    for chapter in ("03", "04", "05"):
-        assert f"engine {chapter} ok" in done.stdout
-    assert "server 06 ok" in done.stdout and "no chapter 07 module imported" in done.stdout
-
-
+# ----------------------------------------- chapters 03-06 without chapter 07's
+# What each chapter's server and offline LLM load, xgrammar and the
+# speculation modules included, is the import budget's
+# (tests/test_import_budget.py); here, what each server.py says.
 def test_chapter_07_is_the_first_to_need_xgrammar():
     """Its server imports the grammar step at the top: without xgrammar it fails."""
     source = (ROOT / CHAPTERS["07"] / "server.py").read_text()

@@ -72,3 +72,15 @@ def test_the_readme_chapter_table_comes_from_the_budget_table():
 def test_each_chapter_page_lists_the_modules_the_table_gives_it(chapter):
     text = (ROOT / CHAPTER_FOLDERS[chapter] / "README.md").read_text()
     assert page_block(chapter) in text, "python -m tests.check_imports --write-pages"
+
+
+def test_no_engine_map_box_comes_before_its_module():
+    """The engine map (pictures/data/engine-map.json) names each box's file
+    and chapter: a box may come in a later chapter than its module (chapter
+    05's continuous batching is in chapter 03's scheduler.py), never before
+    the chapter that first loads it."""
+    import json
+    boxes = json.loads((ROOT / "pictures/data/engine-map.json").read_text())["boxes"]
+    early = [(box["file"], box["chapter"]) for box in boxes if box["file"].startswith("common/")
+             and box["chapter"] < MODULE_CHAPTERS[box["file"].removesuffix(".py").replace("/", ".")]]
+    assert early == []

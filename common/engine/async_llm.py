@@ -46,7 +46,6 @@ from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine, step_or_fail
 from common.metrics.step_events import StepEvents
-from common.worker.worker import RankDiedError
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 

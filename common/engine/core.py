@@ -5,15 +5,21 @@ process only schedules and steps. They talk over two ZeroMQ sockets, in
 msgpack (common/engine/serial.py):
 
     API server  --PUSH-->  input  --PULL-->   engine core   [ADD, id, ids, params, t]
-                                                            [ABORT, id]  [SHUTDOWN]
+                                                            [ABORT, id(, reason)]  [SHUTDOWN]
     API server  <--PULL--  output <--PUSH--   engine core   EngineCoreOutputs, one a step
+
+Where vLLM v1 draws the line: this process returns token ids, finish
+reasons and logprobs (`TokenOutputProcessor`); the API server's process
+detokenizes, holds back and cuts the stop strings, and formats the
+logprobs, and when it matches a stop string it sends [ABORT, id, STOP].
 
 The loop, one step at a time (`EngineCoreProc.run_busy_loop`):
 
     take in every request and abort that arrived (wait for one when idle)
     outputs, failed = step_or_fail(engine)   # the same step as ch03-08's thread
     send EngineCoreOutputs: the outputs, the failures, the step's stats,
-        the engine's figures (`/stats`) and its queue counts (backpressure)
+        its queue counts (backpressure), and the engine's figures
+        (`/stats`) at most every 100 ms and whenever it goes idle
 
 Being a process of its own is the point: however long a step takes (a
 7,000-token prefill), the API server's event loop is not in the same
@@ -39,7 +45,8 @@ import enum
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import torch
@@ -47,12 +54,18 @@ import zmq
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine, step_or_fail
+from common.engine.output_processor import OutputProcessor, RequestState
 from common.engine.parts import EngineParts, assemble_engine
 from common.engine.serial import decode, encode
+from common.outputs import CompletionOutput, FinishReason, RequestOutput
 
 log = logging.getLogger("llm-course")
 
 IDLE_POLL_MS = 1000  # an idle engine checks this often that its API server is alive
+# The engine's figures (`/stats`, the live view) cross at most this often,
+# and once more when the engine goes idle: building them every step is
+# work the busy loop does not need.
+SNAPSHOT_INTERVAL_S = 0.1
 
 
 class EngineCoreRequestType(enum.IntEnum):
@@ -79,7 +92,38 @@ class EngineCoreSpec:
     cpus: list[int] | None = None  # pin to these cores (None: all of them)
 
     def build(self) -> LLMEngine:
-        return assemble_engine(self.config, self.parts)
+        """The chapter's parts, with token ids out instead of text: the API
+        process detokenizes (vLLM v1 draws the line there too)."""
+        return assemble_engine(self.config,
+                               replace(self.parts, output_processor_cls=TokenOutputProcessor))
+
+
+class TokenOutputProcessor(OutputProcessor):
+    """The engine process's output processing: each step's new token ids
+    and their logprobs, the finish reasons the engine knows (EOS, stop
+    token ids, length, errors) and the prompt's logprobs in the first
+    output, always as deltas. No text and no stop strings: the API
+    process's `OutputProcessor` makes the text from these ids and looks
+    for the stop strings (core_client.py), then tells this process to
+    finish the request (ABORT with STOP)."""
+
+    def add(self, seq) -> None:
+        self.states[seq.request_id] = RequestState(seq, detokenizer=None)
+
+    def _new_texts(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
+        return "", False
+
+    @staticmethod
+    def _output(state: RequestState, new_text: str, num_new: int, reason: FinishReason | None,
+                error: str | None) -> RequestOutput:
+        seq = state.seq
+        first = seq.num_output_tokens - num_new
+        completion = CompletionOutput(0, "", seq.output_token_ids[first:],
+                                      seq.output_logprobs[first:], reason,
+                                      seq.num_output_tokens, error)
+        prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not first else None
+        return RequestOutput(seq.request_id, None, [], [completion], reason is not None,
+                             seq.num_cached_tokens, prompt_logprobs)
 
 
 class StepStatsBuffer:
@@ -112,6 +156,7 @@ class EngineCoreProc:
         self.shutting_down = False
         self.failed: list[tuple[str, str]] = []  # requests refused on arrival
         self.num_added = 0  # requests taken in since the last message
+        self.snapshot_sent_at = 0.0  # time.monotonic() of the last figures sent
 
     def ready_message(self) -> dict:
         engine = self.engine
@@ -160,21 +205,27 @@ class EngineCoreProc:
                 self.engine.add_request(request_id, prompt_token_ids, params, arrival_time)
             except ValueError as exc:  # a duplicate request id
                 self.failed.append((request_id, str(exc)))
-        elif kind is EngineCoreRequestType.ABORT:
-            self.engine.abort(message[1])
+        elif kind is EngineCoreRequestType.ABORT:  # [ABORT, id] or [ABORT, id, reason]
+            _, request_id, *reason = message
+            self.engine.abort(request_id, *reason)  # STOP: a stop string the front matched
         else:
             self.shutting_down = True
 
     def send_outputs(self, outputs: list, failed: list) -> None:
         scheduler = self.engine.scheduler
         added, self.num_added = self.num_added, 0
-        self.output_socket.send(encode({
+        message = {
             "type": int(EngineCoreOutputType.OUTPUTS), "engine": self.index,
             "outputs": outputs, "failed": failed,
             "iteration_stats": self.stats_buffer.take(),
-            "snapshot": self.engine.snapshot(),
             "num_drained": added, "left_waiting": len(scheduler.waiting),
-            "free_slots": scheduler.max_num_seqs - len(scheduler.running)}))
+            "free_slots": scheduler.max_num_seqs - len(scheduler.running)}
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        if idle or now - self.snapshot_sent_at >= SNAPSHOT_INTERVAL_S:
+            message["snapshot"] = self.engine.snapshot()  # /stats: at most every 100 ms
+            self.snapshot_sent_at = now
+        self.output_socket.send(encode(message))
 
 
 def pin_to(cpus: list[int] | None) -> None:

@@ -15,10 +15,14 @@ the whole model and its own KV cache, pinned to its share of the cores:
 - `add_request` picks the engine with the fewest unfinished requests
   (vLLM's data-parallel client balances on the engines' queues too) and
   sends it the request; `abort` goes to the same engine;
-- a reader thread takes every engine's outputs off one socket and hands
-  them to the requests' streams; each step's `IterationStats` go to the
-  stat loggers here (chapter 06's Prometheus `Metrics` lives in the API
-  server), and the engine's figures to `snapshot()`;
+- a reader thread takes every engine's outputs off one socket: token ids,
+  logprobs and finish reasons, which this side's `OutputProcessor` turns
+  into text (detokenizing, stop strings held back and cut: the work that
+  vLLM v1 also keeps out of its engine process; a stop string matched
+  here finishes the request in the engine) and hands to the requests'
+  streams; each step's `IterationStats` go to the stat loggers here
+  (chapter 06's Prometheus `Metrics` lives in the API server), and the
+  engine's figures, at most every 100 ms, to `snapshot()`;
 - an engine that dies (a DEAD message, or its process simply gone:
   SIGKILL, out of memory) makes the whole client dead, as in vLLM: every
   stream in flight gets `EngineDeadError` (the server answers 503 and
@@ -47,6 +51,9 @@ from dataclasses import dataclass, field, replace
 import zmq
 
 from common.config import ConfigError
+from common.context_length import DEFAULT_MAX_TOKENS
+from common.core.sequence import Sequence
+from common.engine.admission import Admission
 from common.engine.async_llm import EngineClient, EngineDeadError, QueueCounts
 from common.engine.core import (
     EngineCoreOutputType,
@@ -54,11 +61,11 @@ from common.engine.core import (
     EngineCoreSpec,
     run_engine_core,
 )
-from common.context_length import DEFAULT_MAX_TOKENS
-from common.engine.admission import Admission
+from common.engine.output_processor import OutputProcessor
 from common.engine.serial import decode, encode
-from common.metrics.stats import StatLoggers
 from common.loader import load_tokenizer
+from common.metrics.stats import StatLoggers
+from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("llm-course")
@@ -114,6 +121,19 @@ def combine_snapshots(snapshots: list[dict]) -> dict:
     return combined
 
 
+
+def apply_engine_output(mirror: Sequence, engine_output: RequestOutput) -> None:
+    """Bring this side's copy of a request up to the engine's: its new
+    tokens (with their logprobs), its finish reason and error, its cached
+    prompt tokens, and the prompt's logprobs when they come."""
+    completion = engine_output.outputs[0]
+    for sampled in completion.logprobs:  # one SampledToken per new token
+        mirror.append(sampled)
+    mirror.finish_reason, mirror.error = completion.finish_reason, completion.error
+    mirror.num_cached_tokens = engine_output.num_cached_tokens
+    if engine_output.prompt_logprobs is not None:
+        mirror.prompt_logprobs = engine_output.prompt_logprobs
+
 class AsyncMPClient(EngineClient):
     """Engines in processes of their own, behind `EngineClient`'s front."""
 
@@ -130,6 +150,11 @@ class AsyncMPClient(EngineClient):
         self._closing = False
         self._stat_loggers = StatLoggers()  # ch06: fed each engine's steps here
         self._engine_of: dict[str, EngineCoreHandle] = {}  # request id -> its engine
+        # The text side, here as in vLLM v1's front: a copy of each request
+        # (its tokens so far), detokenized and searched for stop strings
+        self._output_processor = OutputProcessor(self.tokenizer)
+        self._mirrors: dict[str, Sequence] = {}
+        self._output_lock = threading.Lock()  # the event loop adds, the reader processes
         self.engines = [self._spawn(i, cpus)
                         for i, cpus in enumerate(split_cores(data_parallel_size))]
         self._thread: threading.Thread | None = None
@@ -276,10 +301,16 @@ class AsyncMPClient(EngineClient):
         engine.unfinished.add(request_id)
         engine.counts.num_added += 1
         self._engine_of[request_id] = engine
+        with self._output_lock:  # this side's copy of the request, for its text
+            mirror = Sequence(request_id, list(prompt_token_ids), params,
+                              arrival_time=arrival_time)
+            self._mirrors[request_id] = mirror
+            self._output_processor.add(mirror)
         self._send_to(engine, [int(EngineCoreRequestType.ADD), request_id, prompt_token_ids,
                                params, arrival_time])
 
     def _submit_abort(self, request_id: str) -> None:
+        self._forget_mirror(request_id)
         engine = self._engine_of.get(request_id)
         if engine is not None and not self._closing:
             self._send_to(engine, [int(EngineCoreRequestType.ABORT), request_id])
@@ -288,6 +319,43 @@ class AsyncMPClient(EngineClient):
         engine = self._engine_of.pop(request_id, None)
         if engine is not None:
             engine.unfinished.discard(request_id)
+
+    def _forget_mirror(self, request_id: str) -> None:
+        with self._output_lock:
+            self._mirrors.pop(request_id, None)
+            self._output_processor.abort(request_id)
+
+    # ------------------------------------------------- token ids -> text
+    def _process(self, engine: EngineCoreHandle, engine_outputs: list[RequestOutput]
+                 ) -> list[RequestOutput]:
+        """What the engine sent (token ids, finish reasons, logprobs) as the
+        requests' outputs: text, stop strings held back and cut, deltas or
+        final answers, by the same `OutputProcessor` as chapters 03-08's
+        engine, run here. A stop string matched here finishes the request
+        in the engine too (ABORT with STOP); tokens the engine made before
+        that arrives are dropped, as a client never sees them."""
+        outputs = []
+        with self._output_lock:
+            for engine_output in engine_outputs:
+                mirror = self._mirrors.get(engine_output.request_id)
+                if mirror is None:  # finished here already, or aborted
+                    continue
+                apply_engine_output(mirror, engine_output)
+                processed, to_finish = self._output_processor.process([mirror])
+                for finish in to_finish:
+                    self._finish_in_engine(engine, finish.seq.request_id, finish.reason)
+                for output in processed:
+                    if output.finished:
+                        del self._mirrors[output.request_id]
+                        self._finished(output.request_id)
+                outputs += processed
+        return outputs
+
+    def _finish_in_engine(self, engine: EngineCoreHandle, request_id: str,
+                          reason: FinishReason) -> None:
+        if not self._closing:
+            with contextlib.suppress(EngineDeadError):  # then the reader dies on its own
+                self._send_to(engine, [int(EngineCoreRequestType.ABORT), request_id, reason])
 
     # ---------------------------------------------------- the reader thread
     def _read_outputs(self) -> None:
@@ -317,16 +385,15 @@ class AsyncMPClient(EngineClient):
         counts.num_drained += message["num_drained"]
         counts.left_waiting = message["left_waiting"]
         counts.free_slots = message["free_slots"]
-        engine.snapshot = message["snapshot"]
-        self._publish()
+        if "snapshot" in message:  # at most every 100 ms, and when the engine is idle
+            engine.snapshot = message["snapshot"]
+            self._publish()
         for iteration_stats in message["iteration_stats"]:
             self._stat_loggers.record(iteration_stats)
         for request_id, _ in message["failed"]:
             self._finished(request_id)
-        for output in message["outputs"]:
-            if output.finished:
-                self._finished(output.request_id)
-        self._deliver(message["outputs"], message["failed"])
+            self._forget_mirror(request_id)
+        self._deliver(self._process(engine, message["outputs"]), message["failed"])
 
     def _publish(self) -> None:
         snapshots = [engine.snapshot for engine in self.engines if engine.snapshot]

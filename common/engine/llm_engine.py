@@ -170,12 +170,20 @@ class LLMEngine:
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish a request from outside the step: its client left (ABORT),
+        or ch09, the API process matched one of its stop strings (STOP)."""
         seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, reason)
+        self.stats_collector.count_finished(reason)
+        if reason is FinishReason.ABORT:
             self.output_processor.abort(request_id)
-            self.stats_collector.count_finished(FinishReason.ABORT)
+            return
+        iteration_stats = IterationStats(time.monotonic())  # ch09: its latencies, now
+        self.output_processor.finish(request_id, reason, iteration_stats)
+        self.stats_collector.stat_loggers.record(iteration_stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -78,8 +78,6 @@ class RequestState:
     stats: RequestStateStats = field(init=False)  # ch06: its times, across steps
 
     def __post_init__(self) -> None:
-        if self.seq.params.stop:
-            self.stops = StopStrings(self.seq.params.stop)
         self.stats = RequestStateStats(self.seq.arrival_time)
 
     @property
@@ -102,10 +100,21 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         detokenizer = IncrementalDetokenizer(self.tokenizer)  # ch05: whole characters only
-        self.states[seq.request_id] = RequestState(seq, detokenizer)
+        state = RequestState(seq, detokenizer)
+        if seq.params.stop:
+            state.stops = StopStrings(seq.params.stop)
+        self.states[seq.request_id] = state
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+    def finish(self, request_id: str, reason: FinishReason,
+               iteration_stats: IterationStats) -> None:
+        """ch09: a request that the API process finished (it matched a stop
+        string): recorded as finished, with its latencies, in `iteration_stats`."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self._record_finished(iteration_stats, state, reason)
 
     def process(self, seqs: list[Sequence], iteration_stats: IterationStats | None = None
                 ) -> tuple[list[RequestOutput], list[Finish]]:
@@ -138,10 +147,16 @@ class OutputProcessor:
             if reason is not None:
                 del self.states[seq.request_id]
                 if iteration_stats is not None:
-                    iteration_stats.update_from_finished_request(
-                        seq.request_id, reason, seq.num_prompt_tokens, seq.params.max_tokens,
-                        state.stats, seq.num_preemptions)
+                    self._record_finished(iteration_stats, state, reason)
         return outputs, to_finish
+
+    @staticmethod
+    def _record_finished(iteration_stats: IterationStats, state: RequestState,
+                         reason: FinishReason) -> None:
+        seq = state.seq
+        iteration_stats.update_from_finished_request(
+            seq.request_id, reason, seq.num_prompt_tokens, seq.params.max_tokens,
+            state.stats, seq.num_preemptions)
 
     def _new_texts(self, state: RequestState, finishing: bool) -> tuple[str, bool]:
         """Text to release for the step's new tokens, and whether a stop

@@ -55,6 +55,8 @@ class EngineParts:
     sampling_cls: Callable[[], PlainSampling] = PlainSampling
     # ch07: the grammar's logits processor (a StructuredOutputManager)
     structured_output_cls: type | None = None
+    # tokens -> text, stops, deltas (ch09's engine process: token ids only)
+    output_processor_cls: type[OutputProcessor] = OutputProcessor
     # the observers: the figures, and the frames a viewer watches
     stats_collector_cls: type[StatsCollector] = StatsCollector
     step_events_cls: type[StepEvents] = StepEvents
@@ -101,7 +103,8 @@ def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
                                     long_prefill_token_threshold=config.prefill_cap)
     stats_collector = parts.stats_collector_cls(scheduler, block_manager,
                                                 config.enable_prefix_caching, log_interval_s)
-    engine = LLMEngine(config, loaded, worker, scheduler, OutputProcessor(loaded.tokenizer),
+    engine = LLMEngine(config, loaded, worker, scheduler,
+                       parts.output_processor_cls(loaded.tokenizer),
                        stats_collector, structured_output, tp_workers, parts.step_events_cls)
     watch_if_asked(engine, config)
     return engine

@@ -155,6 +155,13 @@ COMMENT = re.compile(r"<!--.*?-->")  # a generated table's markers name their fi
 # Figures with a unit of measure that no run produced, by page: a piece of
 # the figure's line (enough to be unique) -> why it needs no results file.
 NOT_MEASURED: dict[str, dict[str, str]] = {
+    "09-scale-out/README.md": {
+        "at most every 100 ms": "a setting: SNAPSHOT_INTERVAL_S in common/engine/core.py",
+        "every 100 ms and when it goes idle": "the same setting",
+    },
+    "09-scale-out/slides.md": {
+        "figures every 100 ms": "a setting: SNAPSHOT_INTERVAL_S in common/engine/core.py",
+    },
     "01-concepts/exercises/README.md": {
         "2x, 2.6x, 4x?": "the choices of a prediction question (4384 / 1680 token-forwards)",
     },

@@ -1,6 +1,6 @@
 """The import budget: what each chapter's engine really loads.
 
-    python -m tests.check_imports            # the table: chapter by module
+    python -m tests.check_imports            # the table: chapter by module (make imports)
     python -m tests.check_imports 05 09      # some chapters only
     python -m tests.check_imports --readme   # the README's chapter table, from the same table
     python -m tests.check_imports --write-pages   # each chapter README's list, from it too

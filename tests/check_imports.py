@@ -116,16 +116,22 @@ def table(rows: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
+def added_by(chapter: str) -> tuple[list[str], list[str]]:
+    """The modules (a package counts by its modules) and the libraries
+    that the table gives `chapter`."""
+    modules = [name for name, owner in sorted(MODULE_CHAPTERS.items())
+               if owner == chapter and name not in FOLDERS]
+    libraries = [name for name, owner in sorted(LIBRARY_CHAPTERS.items()) if owner == chapter]
+    return modules, libraries
+
+
 def modules_added(chapter: str) -> str:
     """The modules of common/ a chapter adds, by package, as the README lists them."""
+    modules, libraries = added_by(chapter)
     by_package: dict[str, list[str]] = {}
-    for name, owner in sorted(MODULE_CHAPTERS.items()):
-        parts = name.split(".")
-        if owner != chapter or len(parts) < 2 or name in FOLDERS:  # packages: their modules
-            continue
-        package = "/".join(parts[1:-1])
-        by_package.setdefault(package, []).append(parts[-1])
-    libraries = [name for name, owner in sorted(LIBRARY_CHAPTERS.items()) if owner == chapter]
+    for name in modules:
+        *package, module = name.split(".")[1:]
+        by_package.setdefault("/".join(package), []).append(module)
     groups = [(f"`{package}/` " if package else "") + ", ".join(names)
               for package, names in sorted(by_package.items())]
     return "; ".join(groups + ([f"uses {', '.join(libraries)}"] if libraries else [])) or "-"
@@ -153,10 +159,8 @@ PAGE_HEADING = "## What this chapter adds to `common/`"
 
 def page_block(chapter: str) -> str:
     """A chapter README's generated list: the modules the table gives it."""
-    names = [name for name, owner in sorted(MODULE_CHAPTERS.items())
-             if owner == chapter and name not in FOLDERS]
-    paths = ", ".join(f"`{name.replace('.', '/')}.py`" for name in names) or "none"
-    libraries = [name for name, owner in sorted(LIBRARY_CHAPTERS.items()) if owner == chapter]
+    modules, libraries = added_by(chapter)
+    paths = ", ".join(f"`{name.replace('.', '/')}.py`" for name in modules) or "none"
     line = (f"By the import budget's table (`MODULE_CHAPTERS` in "
             f"`common/entrypoints/chapters.py`), this chapter's server is the first to load: "
             f"{paths}" + (f"; and the libraries {', '.join(libraries)}" if libraries else "")

@@ -54,10 +54,10 @@ import zmq
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine, step_or_fail
-from common.engine.output_processor import OutputProcessor, RequestState
+from common.engine.output_processor import OutputProcessor, RequestState, request_output
 from common.engine.parts import EngineParts, assemble_engine
 from common.engine.serial import decode, encode
-from common.outputs import CompletionOutput, FinishReason, RequestOutput
+from common.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger("llm-course")
 
@@ -116,14 +116,8 @@ class TokenOutputProcessor(OutputProcessor):
     @staticmethod
     def _output(state: RequestState, new_text: str, num_new: int, reason: FinishReason | None,
                 error: str | None) -> RequestOutput:
-        seq = state.seq
-        first = seq.num_output_tokens - num_new
-        completion = CompletionOutput(0, "", seq.output_token_ids[first:],
-                                      seq.output_logprobs[first:], reason,
-                                      seq.num_output_tokens, error)
-        prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not first else None
-        return RequestOutput(seq.request_id, None, [], [completion], reason is not None,
-                             seq.num_cached_tokens, prompt_logprobs)
+        seq = state.seq  # no text, and not the prompt again: the API side has it
+        return request_output(seq, "", seq.num_output_tokens - num_new, reason, error, [])
 
 
 class StepStatsBuffer:

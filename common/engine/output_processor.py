@@ -197,20 +197,22 @@ class OutputProcessor:
     @staticmethod
     def _output(state: RequestState, new_text: str, num_new: int, reason: FinishReason | None,
                 error: str | None) -> RequestOutput | None:
-        seq, done = state.seq, reason is not None
-        first = 0
+        seq = state.seq
         if seq.params.output_kind is RequestOutputKind.DELTA:
-            first = seq.num_output_tokens - num_new
-            token_ids, text = seq.output_token_ids[first:], new_text
-            logprobs = seq.output_logprobs[first:]
-        elif done:  # FINAL_ONLY: the whole answer, once
-            token_ids, text = list(seq.output_token_ids), "".join(state.released)
-            logprobs = list(seq.output_logprobs)
-        else:
+            return request_output(seq, new_text, seq.num_output_tokens - num_new, reason, error,
+                                  seq.prompt_token_ids)
+        if reason is None:
             return None
-        completion = CompletionOutput(0, text, token_ids, logprobs, reason,
-                                      seq.num_output_tokens, error)
-        # ch06: the prompt's logprobs in the request's first output
-        prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not first else None
-        return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [completion], done,
-                             seq.num_cached_tokens, prompt_logprobs)
+        return request_output(seq, "".join(state.released), 0, reason, error,  # FINAL_ONLY:
+                              seq.prompt_token_ids)  # the whole answer, once
+
+
+def request_output(seq: Sequence, text: str, first: int, reason: FinishReason | None,
+                   error: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    """seq's output tokens from number `first` on (and their logprobs), with
+    `text`; ch06: the prompt's logprobs in the request's first output."""
+    completion = CompletionOutput(0, text, seq.output_token_ids[first:],
+                                  seq.output_logprobs[first:], reason, seq.num_output_tokens, error)
+    prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not first else None
+    return RequestOutput(seq.request_id, None, prompt_token_ids, [completion], reason is not None,
+                         seq.num_cached_tokens, prompt_logprobs)

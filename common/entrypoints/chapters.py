@@ -176,6 +176,12 @@ def not_in_chapter(name: str, chapter: str, adds: str) -> str:
     return f"{name} is not implemented in chapter {chapter}: chapter {adds} adds it"
 
 
+def flag_dest(flag: str) -> str:
+    """Where argparse (and EngineConfig) keeps a flag: `--speculative-config`
+    -> `speculative_config`."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def later_flags(chapter: str) -> dict[str, str]:
     return {flag: adds for flag, adds in FLAG_CHAPTERS.items() if adds > chapter}
 
@@ -194,7 +200,7 @@ def refuse_later_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     """A usage error (exit 2) for a flag that a later chapter adds, set to
     anything but its default."""
     for flag, adds in later_flags(chapter).items():
-        dest = flag.removeprefix("--").replace("-", "_")
+        dest = flag_dest(flag)
         if hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
             parser.error(not_in_chapter(flag, chapter, adds))
 
@@ -235,7 +241,7 @@ def refuse_later_engine_args(engine_args: dict, chapter: str) -> None:
     later chapter adds (`speculative_config` for chapter 05) is a
     TypeError naming that chapter, never silently ignored."""
     defaults = {f.name: f.default for f in fields(EngineConfig)}
-    for name, value in engine_args.items():
-        adds = FLAG_CHAPTERS.get("--" + name.replace("_", "-"), "00")
-        if adds > chapter and value != defaults.get(name):
+    for flag, adds in later_flags(chapter).items():
+        name = flag_dest(flag)
+        if name in engine_args and engine_args[name] != defaults.get(name):
             raise TypeError(not_in_chapter(name, chapter, adds))

@@ -94,10 +94,11 @@ demo: $(STAMP) ## the instructor's demo: chapter 02 runs out of memory with 2 cl
 	$(PY) -m bench.demo --card $(DEMO_CARD) --port $(PORT) --dtype $(DTYPE)
 
 # watch: the chapter's server with --live-view (03 on), or REPLAY=file with no engine.
-watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file: a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
+watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file DP=2 (ch09: a tab per engine): a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
 	$(if $(REPLAY),$(PY) -m common.entrypoints.live_view --replay $(REPLAY) --port $(PORT),\
 	  $(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
-	  $(call given,CARD,--device-memory-gb) --live-view $(if $(RECORD),--record-events $(RECORD)))
+	  $(call given,CARD,--device-memory-gb) --live-view $(if $(RECORD),--record-events $(RECORD)) \
+	  $(if $(DP),--data-parallel-size $(DP)))
 
 loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=float32 STREAM=1: load one chapter
 	$(PY) -m bench.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \

@@ -7,7 +7,8 @@ the API server's side, which detokenizes):
 
     python 09-scale-out/server.py --device-memory-gb 1.1                  # 1 engine process
     python 09-scale-out/server.py --data-parallel-size 2                  # 2, a core each
-    python 09-scale-out/server.py --engine-core in-process --live-view    # ch08's thread
+    python 09-scale-out/server.py -dp 2 --live-view                       # a tab per engine
+    python 09-scale-out/server.py --engine-core in-process                # ch08's thread
 
 N separate servers behind the chapter's router (common/entrypoints/router.py),
 on one machine or on a Ray cluster: see README.md.

@@ -38,9 +38,6 @@ FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--live-view": [], "--record-events": ["/tmp/steps.jsonl"],
                "--kv-events-config": ['{"enable_kv_cache_events": true}'],
                "--engine-core": ["in-process"], "--data-parallel-size": ["2"]}
-# What a flag needs beside it from chapter 09 on (the live view watches an
-# engine in the server's own process).
-ALONGSIDE_FROM_09 = {"--live-view": ["--engine-core", "in-process"]}
 FIELD_VALUES = {"top_p": 0.5, "stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5,
                 "logit_bias": {"11": 1.0}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                 "min_tokens": 1, "stop_token_ids": [2], "logprobs": True, "top_logprobs": 2,
@@ -68,8 +65,6 @@ def test_the_table_covers_every_flag_value_and_field():
 def test_every_chapter_refuses_the_flags_of_later_chapters(chapter, capsys):
     for flag, adds in FLAG_CHAPTERS.items():
         argv = [flag, *FLAG_VALUES[flag]]
-        if chapter >= "09":
-            argv += ALONGSIDE_FROM_09.get(flag, [])
         if adds <= chapter:
             parse_server_args(chapter_parser(chapter), chapter, argv)  # its own: accepted
             continue
@@ -97,8 +92,6 @@ def test_a_chapters_help_shows_only_its_own_flags(chapter, capsys):
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["--live-view"], "--live-view watches an engine in the server's own process: "
-                      "add --engine-core in-process"),
     (["--engine-core", "in-process", "-dp", "2"], "--data-parallel-size > 1 runs engines in "
                                                  "processes of their own"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1")])

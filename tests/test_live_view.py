@@ -1,7 +1,8 @@
 """The live view's server side (common/entrypoints/live_view.py): one
 stream per viewer, bounded; the frames are the engine's state at each
-step; the page's routes and the API key. The page itself, in a real
-browser: tests/test_live_view_browser.py."""
+step; the page's routes and the API key; chapter 09's data-parallel
+engines, a stream each. The page itself, in a real browser:
+tests/test_live_view_browser.py."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ import requests
 from bench.loadtest import run_load
 from common.metrics.kv_events import KVEventBatch
 from common.entrypoints.live_view import HISTORY, VIEWER_QUEUE, LiveView
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 SMALL_CARD = "0.7"  # 12 blocks of 16 tokens: 8 clients preempt one another
 
@@ -213,6 +214,52 @@ def test_the_page_and_a_closed_tab_leave_one_line_each(watched):
     assert not [line for line in new if any(word in line for word in
                                             ("Traceback", "ERROR", "WARNING"))], new
     assert sum("a viewer left" in line for line in new) == 1
+
+
+def first_event(url: str) -> dict:
+    """A stream's first event: its config."""
+    with requests.get(url, stream=True, timeout=30) as response:
+        lines = response.iter_lines(decode_unicode=True)
+        assert next(lines) == "event: config"
+        return json.loads(next(lines).removeprefix("data: "))
+
+
+@pytest.mark.ch09
+def test_each_data_parallel_engine_has_its_own_stream(start_server, tmp_path):
+    """Chapter 09 with two engine processes: each sends every step's frame
+    to the API server, `/ui/events?engine=N` streams engine N's, and each
+    request shows in one engine only; each engine records a file of its own."""
+    recording = tmp_path / "run.jsonl"
+    server = start_server("09", "--device-memory-gb", "1.1", "--data-parallel-size", "2",
+                          "--live-view", "--record-events", str(recording))
+    urls = [f"{server.url}/ui/events?engine={rank}" for rank in (0, 1)]
+    configs = [first_event(url) for url in urls]
+    assert [(c["data_parallel_rank"], c["data_parallel_size"]) for c in configs] == [(0, 2),
+                                                                                      (1, 2)]
+    frames, stop = ([], []), threading.Event()
+    readers = [threading.Thread(target=read_stream, args=(url, kept, stop))
+               for url, kept in zip(urls, frames)]
+    for reader in readers:
+        reader.start()
+    summary = run_load(server.url, 8, 1, 16)
+    assert summary["failed"] == 0, summary
+    engines = requests.get(server.url + "/stats", timeout=30).json()["engines"]
+    for kept, engine in zip(frames, engines):  # the viewers have every step
+        wait_for(lambda: kept and kept[-1]["step"] == engine["num_steps"], "the last frame")
+    stop.set()
+    for kept, engine in zip(frames, engines):
+        assert [f["step"] for f in kept] == list(range(1, engine["num_steps"] + 1))
+    finished = [{row["request_id"] for f in kept for row in f["finished"]} for kept in frames]
+    assert finished[0] and finished[1] and not finished[0] & finished[1]
+    assert len(finished[0] | finished[1]) == 8
+    recorded = [recording, tmp_path / "run_dp1.jsonl"]
+    for path, kept in zip(recorded, frames):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert lines[0]["type"] == "config" and lines[1:] == kept
+    missing = requests.get(server.url + "/ui/events?engine=2", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    for reader in readers:  # each ends at its next heartbeat
+        reader.join(30)
 
 
 def test_the_view_needs_the_api_key(start_server):

@@ -4,6 +4,7 @@ card under a 32-client load that preempts; the page must draw the engine's state
 of each step, replay a recording the same way, and reconnect by itself
 when the server restarts. The screenshot of the first test is the
 README's picture of the view (pictures/screenshots/live-view.png).
+Chapter 09 with two engine processes: a tab per engine, each drawing its own.
 
 Skipped, saying why, where Chromium or its driver cannot be installed
 (`.ci/run` installs them with apt-get)."""
@@ -221,3 +222,28 @@ def test_the_page_reconnects_after_a_restart(watched, browser):
                       and (frames_in_page(d) or [{}])[0].get("step") == 1)
     finally:
         again.stop()
+
+
+@pytest.mark.ch09
+def test_each_data_parallel_engine_has_its_tab(start_server, browser):
+    """Chapter 09 with two engine processes: a tab per engine, each page
+    drawing its own engine's steps; a click on the other tab shows the other."""
+    server = start_server("09", "--device-memory-gb", "1.1", "--data-parallel-size", "2",
+                          "--live-view")
+    browser.get(server.url + "/ui/?engine=1")
+    wait_for_page(browser, "the page live", lambda d: page_state(d, "status") == "live")
+    tabs = browser.find_elements(By.CSS_SELECTOR, "#engines a")
+    assert [t.text for t in tabs] == ["engine 0", "engine 1"]
+    assert [t.get_attribute("aria-current") for t in tabs] == [None, "page"]
+    assert run_load(server.url, 8, 1, 16)["failed"] == 0
+    engines = requests.get(server.url + "/stats", timeout=30).json()["engines"]
+    wait_for_page(browser, "engine 1's last step drawn",
+                  lambda d: page_state(d, "step") == str(engines[1]["num_steps"]))
+    ones = {row["request_id"] for f in frames_in_page(browser) for row in f["finished"]}
+    browser.find_element(By.LINK_TEXT, "engine 0").click()
+    wait_for_page(browser, "engine 0's page", lambda d: d.current_url.endswith("?engine=0")
+                  and page_state(d, "step") == str(engines[0]["num_steps"]))
+    zeros = {row["request_id"] for f in frames_in_page(browser) for row in f["finished"]}
+    assert ones and zeros and not ones & zeros and len(ones | zeros) == 8
+    current = browser.find_elements(By.CSS_SELECTOR, "#engines a[aria-current]")
+    assert [t.text for t in current] == ["engine 0"]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import KVEventsConfig
-from common.metrics.kv_events import KVEventBatch
-from common.metrics.step_events import JsonlRecorder
+from common.config import EngineConfig, KVEventsConfig
+from common.engine.parts import watch_if_asked
+from common.metrics.kv_events import KVEventBatch, offset_endpoint_port
+from common.metrics.step_events import JsonlRecorder, recording_path
 from common.sampling_params import SamplingParams
 from tests.engine_helpers import make_engine, run_all
 
@@ -228,6 +229,43 @@ def test_kv_events_over_zeromq_as_vllm_sends_them(tiny_llama, tmp_path):
     ts, events, rank = batches[0][1]
     assert isinstance(ts, float) and rank == 0 and events
     assert events[0]["type"] == "BlockStored" and events[0]["medium"] == "GPU"
+
+
+def test_endpoints_and_recordings_of_data_parallel_engines_by_vllms_rule():
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert recording_path("/tmp/run.jsonl", 0) == "/tmp/run.jsonl"
+    assert recording_path("/tmp/run.jsonl", 1) == "/tmp/run_dp1.jsonl"
+
+
+def test_engine_1_publishes_on_its_own_endpoint_and_says_its_rank(tiny_llama, tmp_path):
+    """ch09: the second data-parallel engine's KV events go to the endpoint
+    + `_dp1`, each batch with data_parallel_rank 1; its recording to FILE_dp1."""
+    import msgpack
+    import zmq
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    engine = make_engine(tiny_llama, num_blocks=40, block_size=4, enable_prefix_caching=True)
+    config = EngineConfig(kv_events_config={"enable_kv_cache_events": True,
+                                            "endpoint": endpoint},
+                          record_events=str(tmp_path / "run.jsonl"))
+    watch_if_asked(engine, config, data_parallel_rank=1)
+    socket = subscribe(endpoint + "_dp1")
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    for _ in range(200):  # until the subscriber has joined (see above)
+        engine.step_events.kv_publisher.publish(KVEventBatch(0.0, [], 1))
+        if poller.poll(50):
+            socket.recv_multipart()
+            break
+    run_all(engine, shared_prefix_prompts(), PARAMS)
+    batches = []
+    while poller.poll(2000):
+        batches.append(msgpack.unpackb(socket.recv_multipart()[2]))
+    engine.close()
+    assert any(events for _, events, _ in batches)
+    assert {rank for _, _, rank in batches} == {1}
+    assert (tmp_path / "run_dp1.jsonl").exists() and not (tmp_path / "run.jsonl").exists()
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="the real vLLM is not installed "

@@ -24,8 +24,8 @@ class: they never touch the engine's scheduler or blocks.
   engine, ch06) include its wait for the loop thread to take it in.
   `add_stat_logger` (ch06: the Prometheus `Metrics`) gets each step's
   `IterationStats`, on the loop thread.
-- `step_events()` switches on the engine's step events (the live view:
-  common/entrypoints/live_view.py); their subscribers run on the loop thread.
+- `watch()` switches on the engine's step events for the live view
+  (common/entrypoints/live_view.py); its subscribers run on the loop thread.
 
 `EngineClient` is what every front shares (vLLM's name,
 vllm/engine/protocol.py): one async stream per request, the engine's
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from common.engine.llm_engine import LLMEngine, step_or_fail
-from common.metrics.step_events import StepEvents
+from common.metrics.step_events import Subscriber
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -80,6 +80,15 @@ class QueueCounts:
         return self.left_waiting + max(0, arrivals - self.free_slots)
 
 
+@dataclass
+class WatchedEngine:
+    """One engine as the live view sees it: what it says of itself once
+    (`LLMEngine.describe()`), and a way to receive each step's frame
+    (`subscribe(callback)`, called on a thread that is not the event loop's)."""
+    description: dict
+    subscribe: Callable[[Subscriber], None]
+
+
 class EngineClient:
     """What a server talks to: requests in, each with its own async stream
     of outputs; the engine's figures as of its last step. Subclasses say
@@ -111,6 +120,10 @@ class EngineClient:
         stats["engine_alive"] = self.alive
         stats["engine_error"] = None if self.dead is None else repr(self.dead)
         return stats
+
+    def watch(self) -> list[WatchedEngine]:
+        """Each engine behind this client, for the live view (`--live-view`)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -268,11 +281,12 @@ class AsyncLLM(EngineClient):
         on the engine loop's thread (see `LLMEngine.add_stat_logger`)."""
         self.engine.add_stat_logger(logger)
 
-    def step_events(self) -> StepEvents:
-        """The engine's step events (the live view subscribes to them),
-        switched on between two steps."""
+    def watch(self) -> list[WatchedEngine]:
+        """The live view's one engine: its step events, switched on between
+        two steps."""
         with self._lock:
-            return self.engine.enable_step_events()
+            events = self.engine.enable_step_events()
+        return [WatchedEngine(self.engine.describe(), events.subscribe)]
 
     # ------------------------------------------------------------ requests
     def _submit_add(self, request_id: str, prompt_token_ids: list[int],

@@ -18,8 +18,9 @@ The loop, one step at a time (`EngineCoreProc.run_busy_loop`):
     take in every request and abort that arrived (wait for one when idle)
     outputs, failed = step_or_fail(engine)   # the same step as ch03-08's thread
     send EngineCoreOutputs: the outputs, the failures, the step's stats,
-        its queue counts (backpressure), and the engine's figures
-        (`/stats`) at most every 100 ms and whenever it goes idle
+        its queue counts (backpressure), the engine's figures (`/stats`)
+        at most every 100 ms and whenever it goes idle, and, when the
+        live view watches (`--live-view`), the step's frame
 
 Being a process of its own is the point: however long a step takes (a
 7,000-token prefill), the API server's event loop is not in the same
@@ -90,12 +91,14 @@ class EngineCoreSpec:
     config: EngineConfig
     parts: EngineParts = field(default_factory=EngineParts)
     cpus: list[int] | None = None  # pin to these cores (None: all of them)
+    watched: bool = False  # the live view: each step's frame goes to the API server
 
-    def build(self) -> LLMEngine:
+    def build(self, index: int) -> LLMEngine:
         """The chapter's parts, with token ids out instead of text: the API
         process detokenizes (vLLM v1 draws the line there too)."""
         return assemble_engine(self.config,
-                               replace(self.parts, output_processor_cls=TokenOutputProcessor))
+                               replace(self.parts, output_processor_cls=TokenOutputProcessor),
+                               data_parallel_rank=index)
 
 
 class TokenOutputProcessor(OutputProcessor):
@@ -139,13 +142,16 @@ class EngineCoreProc:
     """The engine's loop in its own process; `run_engine_core` starts it."""
 
     def __init__(self, engine: LLMEngine, index: int, input_socket: zmq.Socket,
-                 output_socket: zmq.Socket):
+                 output_socket: zmq.Socket, watched: bool = False):
         self.engine = engine
         self.index = index  # which data-parallel engine this is
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.stats_buffer = StepStatsBuffer()
         engine.add_stat_logger(self.stats_buffer)
+        self.frames: list[dict] = []  # the live view's step frames, not yet sent
+        if watched:
+            engine.enable_step_events().subscribe(self.frames.append)
         self.parent_pid = os.getppid()
         self.shutting_down = False
         self.failed: list[tuple[str, str]] = []  # requests refused on arrival
@@ -160,6 +166,7 @@ class EngineCoreProc:
                 "cache_config_info": engine.cache_config_info(),
                 "model_vocab_size": engine.loaded.model.config.vocab_size,
                 "eos_token_ids": sorted(engine.eos_token_ids),
+                "description": engine.describe(),  # the live view's config
                 "snapshot": engine.snapshot()}
 
     def run_busy_loop(self) -> None:
@@ -170,7 +177,7 @@ class EngineCoreProc:
                 return
             outputs, failed = step_or_fail(self.engine)
             failed, self.failed = self.failed + failed, []
-            if received or outputs or failed or self.stats_buffer.pending:
+            if received or outputs or failed or self.stats_buffer.pending or self.frames:
                 self.send_outputs(outputs, failed)  # an abort alone changes the figures
 
     def receive(self, wait: bool) -> int:
@@ -214,6 +221,9 @@ class EngineCoreProc:
             "iteration_stats": self.stats_buffer.take(),
             "num_drained": added, "left_waiting": len(scheduler.waiting),
             "free_slots": scheduler.max_num_seqs - len(scheduler.running)}
+        if self.frames:  # the live view: every step's frame, as they came
+            message["frames"] = self.frames.copy()
+            self.frames.clear()  # the same list: the step events append to it
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
         if idle or now - self.snapshot_sent_at >= SNAPSHOT_INTERVAL_S:
@@ -248,12 +258,12 @@ def run_engine_core(spec: EngineCoreSpec, index: int, input_address: str,
     output_socket.connect(output_address)
     try:
         pin_to(spec.cpus)
-        engine = spec.build()
+        engine = spec.build(index)
     except Exception as exc:  # noqa: BLE001 - told to the front, which raises it
         send_last_and_exit(output_socket, {"type": int(EngineCoreOutputType.FAILED),
                                            "engine": index, "error": str(exc),
                                            "error_type": type(exc).__name__})
-    core = EngineCoreProc(engine, index, input_socket, output_socket)
+    core = EngineCoreProc(engine, index, input_socket, output_socket, spec.watched)
     try:
         core.run_busy_loop()
     except BaseException as exc:  # noqa: BLE001 - tell the front, then exit 1

@@ -32,8 +32,11 @@ the whole model and its own KV cache, pinned to its share of the cores:
 With `data_parallel_size > 1`, `snapshot()` adds the engines' figures up
 (`combine_snapshots`) and lists each under "engines".
 
-Left out: the live view (its step events are in the engine's process:
-chapter 09 runs it with `--engine-core in-process`), engines on other
+With `EngineCoreSpec(watched=True)` (`--live-view`), each engine sends
+its step frames with its outputs, and `watch()` gives the live view one
+`WatchedEngine` per process: the page shows each engine (`/ui/?engine=1`).
+
+Left out: engines on other
 machines (vLLM's `--data-parallel-address`; chapter 09 puts whole servers
 on other machines behind its router instead), restarting a dead engine.
 """
@@ -54,7 +57,7 @@ from common.config import ConfigError
 from common.context_length import DEFAULT_MAX_TOKENS
 from common.core.sequence import Sequence
 from common.engine.admission import Admission
-from common.engine.async_llm import EngineClient, EngineDeadError, QueueCounts
+from common.engine.async_llm import EngineClient, EngineDeadError, QueueCounts, WatchedEngine
 from common.engine.core import (
     EngineCoreOutputType,
     EngineCoreRequestType,
@@ -65,6 +68,7 @@ from common.engine.output_processor import OutputProcessor
 from common.engine.serial import decode, encode
 from common.loader import load_tokenizer
 from common.metrics.stats import StatLoggers
+from common.metrics.step_events import Subscriber
 from common.outputs import FinishReason, RequestOutput
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -84,6 +88,8 @@ class EngineCoreHandle:
     counts: QueueCounts = field(default_factory=lambda: QueueCounts(free_slots=0))
     snapshot: dict = field(default_factory=dict)
     unfinished: set[str] = field(default_factory=set)  # request ids sent, not yet finished
+    description: dict = field(default_factory=dict)  # LLMEngine.describe(), sent with READY
+    frame_subscribers: list[Subscriber] = field(default_factory=list)  # the live view's
 
 
 def split_cores(data_parallel_size: int) -> list[list[int] | None]:
@@ -216,6 +222,7 @@ class AsyncMPClient(EngineClient):
         self.cache_config_info = ready["cache_config_info"]
         engine.counts.free_slots = ready["max_num_seqs"]
         engine.snapshot = ready["snapshot"]
+        engine.description = ready["description"]
         self._publish()
         self.structured_output = None  # ch07: compiled here too, to answer 400 at once
         if self.spec.parts.structured_output_cls is not None:
@@ -259,9 +266,15 @@ class AsyncMPClient(EngineClient):
         step, called on the reader thread."""
         self._stat_loggers.add(logger)
 
-    def step_events(self):
-        raise RuntimeError("The live view watches an engine in the server's own process: "
-                           "run with --engine-core in-process.")
+    def watch(self) -> list[WatchedEngine]:
+        """Each engine process, for the live view: its frames come with its
+        outputs (`EngineCoreSpec(watched=True)`), and the reader thread
+        hands them to the subscribers."""
+        if not self.spec.watched:
+            raise RuntimeError("The engines send their step frames only when started "
+                               "with EngineCoreSpec(watched=True) (--live-view).")
+        return [WatchedEngine(engine.description, engine.frame_subscribers.append)
+                for engine in self.engines]
 
     def close(self) -> None:
         """Ask every engine to stop, wait for them, kill what is left."""
@@ -390,6 +403,12 @@ class AsyncMPClient(EngineClient):
             self._publish()
         for iteration_stats in message["iteration_stats"]:
             self._stat_loggers.record(iteration_stats)
+        for frame in message.get("frames", ()):  # the live view, when it watches
+            for subscriber in engine.frame_subscribers:
+                try:
+                    subscriber(frame)
+                except Exception:  # noqa: BLE001 - a viewer's problem, never the engines'
+                    log.exception("step frame subscriber %r failed", subscriber)
         for request_id, _ in message["failed"]:
             self._finished(request_id)
             self._forget_mirror(request_id)

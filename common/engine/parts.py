@@ -36,7 +36,7 @@ from common.engine.llm_engine import LOG_INTERVAL_S, LLMEngine
 from common.engine.output_processor import OutputProcessor
 from common.loader import LoadedModel, load_model
 from common.metrics.stats import StatsCollector
-from common.metrics.step_events import JsonlRecorder, StepEvents
+from common.metrics.step_events import JsonlRecorder, StepEvents, recording_path
 from common.models import check_tensor_parallel
 from common.worker.model_runner import PlainSampling
 from common.worker.worker import build_worker
@@ -65,14 +65,15 @@ class EngineParts:
 def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
                     loaded: LoadedModel | None = None, num_blocks: int | None = None,
                     log_interval_s: float = LOG_INTERVAL_S, attention_ops=None,
-                    quant_ops=None) -> LLMEngine:
+                    quant_ops=None, data_parallel_rank: int = 0) -> LLMEngine:
     """Build `parts` for `config` and hand them to an `LLMEngine`.
 
     `loaded`: the caller's model (the tests' shared one; HF's forward must
     still run on it, so its plain weights stay). `num_blocks`: a fixed
     cache size (tests) instead of sizing it from the card.
     `attention_ops`, `quant_ops`: the layers' operations, replaceable (the
-    exercises put the learner's in; default: picked for the device)."""
+    exercises put the learner's in; default: picked for the device).
+    `data_parallel_rank`: which of chapter 09's engine processes this is."""
     shared = loaded is not None
     loaded = loaded or load_model(config.model, config.dtype, config.device,
                                   config.load_format, config.seed)
@@ -106,16 +107,17 @@ def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
     engine = LLMEngine(config, loaded, worker, scheduler,
                        parts.output_processor_cls(loaded.tokenizer),
                        stats_collector, structured_output, tp_workers, parts.step_events_cls)
-    watch_if_asked(engine, config)
+    watch_if_asked(engine, config, data_parallel_rank)
     return engine
 
 
-def watch_if_asked(engine: LLMEngine, config: EngineConfig) -> None:
+def watch_if_asked(engine: LLMEngine, config: EngineConfig, data_parallel_rank: int = 0) -> None:
     """The step events that flags ask for from the start: vLLM's KV events
-    (`--kv-events-config`), a recording (`--record-events`)."""
+    (`--kv-events-config`), a recording (`--record-events`). Chapter 09's
+    engine N publishes on the port + N and records to FILE_dpN.jsonl."""
     kv_events = config.kv_events_config
     if kv_events is not None and kv_events.publishes:
-        engine.enable_step_events().publish_kv_events(kv_events)
+        engine.enable_step_events().publish_kv_events(kv_events, data_parallel_rank)
     if config.record_events:
-        engine.enable_step_events().subscribe(JsonlRecorder(config.record_events,
-                                                            engine.describe()))
+        path = recording_path(config.record_events, data_parallel_rank)
+        engine.enable_step_events().subscribe(JsonlRecorder(path, engine.describe()))

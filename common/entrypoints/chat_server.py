@@ -93,7 +93,8 @@ def build_engine(parser: argparse.ArgumentParser, config: EngineConfig,
         if getattr(args, "engine_core", EngineCoreMode.IN_PROCESS) is EngineCoreMode.PROCESS:
             from common.engine.core import EngineCoreSpec  # ch09
             from common.engine.core_client import AsyncMPClient
-            return AsyncMPClient.start(EngineCoreSpec(config, parts), args.data_parallel_size)
+            return AsyncMPClient.start(EngineCoreSpec(config, parts, watched=args.live_view),
+                                       args.data_parallel_size)
         return AsyncLLM.build(lambda: assemble_engine(config, parts))
     except ConfigError as exc:
         parser.error(str(exc))

@@ -114,6 +114,3 @@ def check_scale_out_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     if mode is EngineCoreMode.IN_PROCESS and getattr(args, "data_parallel_size", 1) > 1:
         parser.error("--data-parallel-size > 1 runs engines in processes of their own: "
                      "leave out --engine-core in-process")
-    if mode is EngineCoreMode.PROCESS and args.live_view:
-        parser.error("--live-view watches an engine in the server's own process: "
-                     "add --engine-core in-process")

@@ -9,6 +9,11 @@
                          viewer can step back at once), then each step's
                          `step` frame, and `gap` when frames were dropped
 
+Chapter 09's data-parallel engines (`--data-parallel-size 2`) are each
+watched on their own: `/ui/events?engine=1` streams engine 1's frames
+(each engine process sends them to the server with its outputs), and the
+page has a tab per engine (`/ui/?engine=1`).
+
 The frames are the engine's step events (common/metrics/step_events.py),
 turned into JSON once, on the engine's thread, and handed to the event
 loop. Each viewer has its own bounded queue: a viewer that reads too
@@ -28,7 +33,7 @@ and the page draws the prefix cache they describe (vLLM says which
 hashes it caches, not where: no block ids, no queues).
 
 Left out: WebSockets (the stream only goes one way; SSE reconnects by
-itself), several engines on one page.
+itself), several engines drawn on one page at once.
 """
 from __future__ import annotations
 
@@ -39,11 +44,16 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+
+from common.entrypoints.middleware import APIError, new_app
+
+if TYPE_CHECKING:  # the replay needs no engine, and no torch
+    from common.engine.async_llm import EngineClient
 
 log = logging.getLogger("llm-course")
 
@@ -151,25 +161,35 @@ def add_page_routes(app: FastAPI) -> None:
     app.mount("/ui", StaticFiles(directory=PAGE_DIR, html=True), name="live-view")
 
 
-def add_live_view(app: FastAPI, view: LiveView) -> None:
-    """`--live-view`: the engine's frames as server-sent events, and the page."""
-    app.state.stopping_hooks = [*getattr(app.state, "stopping_hooks", []), view.stop]
+def add_live_view(app: FastAPI, views: list[LiveView]) -> None:
+    """`--live-view`: each engine's frames as server-sent events
+    (`?engine=N`, default 0), and the page."""
+    app.state.stopping_hooks = [*getattr(app.state, "stopping_hooks", []),
+                                *(view.stop for view in views)]
 
     @app.get("/ui/events", include_in_schema=False)
-    async def events(request: Request) -> StreamingResponse:
-        return StreamingResponse(view.stream(request), media_type="text/event-stream",
+    async def events(request: Request, engine: int = 0) -> StreamingResponse:
+        if not 0 <= engine < len(views):
+            raise APIError(404, f"engine {engine}: this server has engines 0 to "
+                                f"{len(views) - 1}", "not_found_error")
+        return StreamingResponse(views[engine].stream(request),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 
     add_page_routes(app)
 
 
-def watch_engine(app: FastAPI, engine, chapter: str) -> LiveView:
-    """Switch on the engine's step events and serve them at /ui."""
-    events = engine.step_events()
-    view = LiveView({"chapter": chapter, **engine.engine.describe()})
-    events.subscribe(view.on_frame)
-    add_live_view(app, view)
-    return view
+def watch_engine(app: FastAPI, engine: EngineClient, chapter: str) -> list[LiveView]:
+    """Switch on each engine's step events and serve them at /ui."""
+    watched = engine.watch()
+    views = []
+    for rank, one in enumerate(watched):
+        view = LiveView({"chapter": chapter, **one.description, "data_parallel_rank": rank,
+                         "data_parallel_size": len(watched)})
+        one.subscribe(view.on_frame)
+        views.append(view)
+    add_live_view(app, views)
+    return views
 
 
 # ---------------------------------------------- another engine's KV events
@@ -195,10 +215,9 @@ def follow_kv_events(view: LiveView, endpoint: str, topic: str = "") -> None:
 
 def build_kv_events_app(endpoint: str, topic: str = "") -> FastAPI:
     """The page on another engine's KV events (`make watch-vllm`)."""
-    from common.entrypoints.middleware import new_app
     app = new_app("Live view: KV events")
     view = LiveView({"source": "kv-events", "endpoint": endpoint})
-    add_live_view(app, view)
+    add_live_view(app, [view])
     follow_kv_events(view, endpoint, topic)
     return app
 
@@ -206,7 +225,6 @@ def build_kv_events_app(endpoint: str, topic: str = "") -> FastAPI:
 # ------------------------------------------------------------ replay
 def build_replay_app(recording: Path) -> FastAPI:
     """The page and one recording, no engine: `/ui/?replay=/ui/recording.jsonl`."""
-    from common.entrypoints.middleware import new_app
     app = new_app("Live view: replay")
 
     @app.get(RECORDING_ROUTE, include_in_schema=False)

@@ -133,23 +133,36 @@ class KVEventTracker:
         return events
 
 
+def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
+    """ch09: data-parallel engine N publishes on the configured port + N
+    (ipc and inproc addresses get `_dpN`), vLLM's rule: a subscriber
+    dials the base port plus the rank it wants."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + data_parallel_rank}"
+
+
 class ZmqEventPublisher:
     """vLLM's publisher: `publish` queues a batch (the engine never waits
     on the network); a thread encodes it with msgpack and sends
     (topic, sequence number, payload) on a PUB socket."""
 
-    def __init__(self, config: KVEventsConfig):
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
         import msgpack
         import zmq
         self._pack = msgpack.Packer()
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.set_hwm(config.hwm)
-        if "*" in config.endpoint or config.endpoint.startswith(("ipc://", "inproc://")):
-            self._socket.bind(config.endpoint)
+        self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
+        self.data_parallel_rank = data_parallel_rank  # stamped on every batch, as vLLM does
+        if "*" in self.endpoint or self.endpoint.startswith(("ipc://", "inproc://")):
+            self._socket.bind(self.endpoint)
         else:
-            self._socket.connect(config.endpoint)
-        self.endpoint = config.endpoint
+            self._socket.connect(self.endpoint)
         self._topic = config.topic.encode()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         self._seq = count()

@@ -39,6 +39,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from pathlib import Path
 from typing import Callable
 
 from common.metrics.kv_events import (KVEventBatch, KVEventsConfig, KVEventTracker,
@@ -114,10 +115,11 @@ class StepEvents(StepObserver):
         replaced, never changed in place (another thread may subscribe)."""
         self.subscribers = [*self.subscribers, subscriber]
 
-    def publish_kv_events(self, config: KVEventsConfig) -> None:
-        """`--kv-events-config`: the KV events over ZeroMQ, as vLLM sends them."""
-        self.kv_publisher = ZmqEventPublisher(config)
-        log.info("publishing KV cache events on %s", config.endpoint)
+    def publish_kv_events(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        """`--kv-events-config`: the KV events over ZeroMQ, as vLLM sends them
+        (ch09: data-parallel engine N on the port + N)."""
+        self.kv_publisher = ZmqEventPublisher(config, data_parallel_rank)
+        log.info("publishing KV cache events on %s", self.kv_publisher.endpoint)
 
     def close(self) -> None:
         if self.kv_publisher is not None:
@@ -135,7 +137,8 @@ class StepEvents(StepObserver):
         kv_events = self.kv_tracker.take_events([entry[0] for entry in self._batch])
         frame = self.frame(kv_events, outputs)
         if self.kv_publisher is not None and kv_events:
-            self.kv_publisher.publish(KVEventBatch(frame["ts"], kv_events))
+            self.kv_publisher.publish(KVEventBatch(frame["ts"], kv_events,
+                                                   self.kv_publisher.data_parallel_rank))
         for subscriber in self.subscribers:
             try:
                 subscriber(frame)
@@ -183,6 +186,15 @@ class StepEvents(StepObserver):
             row["num_drafts"] = num_drafts
             row["num_accepted"] = max(0, seq.num_output_tokens - outputs_before - 1)
         return row
+
+
+def recording_path(path: str, data_parallel_rank: int = 0) -> str:
+    """ch09: each data-parallel engine records to a file of its own, the
+    first to FILE, engine N to FILE_dpN (run.jsonl, run_dp1.jsonl)."""
+    if data_parallel_rank == 0:
+        return path
+    file = Path(path)
+    return str(file.with_name(f"{file.stem}_dp{data_parallel_rank}{file.suffix}"))
 
 
 class JsonlRecorder:

@@ -144,8 +144,12 @@
 
   // ------------------------------------------------------------------ live
   function connectLive() {
-    const key = params.get("key");    // servers started with --api-key need it
-    source = new EventSource("/ui/events" + (key ? "?key=" + encodeURIComponent(key) : ""));
+    const query = new URLSearchParams();
+    for (const name of ["key", "engine"]) {  // --api-key's key; ch09: which engine
+      if (params.get(name)) query.set(name, params.get(name));
+    }
+    const search = query.toString();
+    source = new EventSource("/ui/events" + (search ? "?" + search : ""));
     const setConnection = (state) => { connection = state; drawStatus(); };
     source.onopen = () => setConnection("live");
     // The server went away: EventSource tries again by itself (CONNECTING),
@@ -481,8 +485,25 @@
     }));
   }
 
+  // Chapter 09's data-parallel engines: a tab per engine, each its own
+  // page (?engine=N, the other parameters kept), this one marked.
+  function drawEngineTabs(c) {
+    const nav = $("engines"), size = c.data_parallel_size || 1;
+    nav.hidden = size < 2;
+    nav.replaceChildren();
+    for (let rank = 0; rank < size && size > 1; rank++) {
+      const query = new URLSearchParams(location.search);
+      query.set("engine", rank);
+      const tab = element("a", "", `engine ${rank}`);
+      tab.href = "?" + query;
+      if (rank === c.data_parallel_rank) tab.setAttribute("aria-current", "page");
+      nav.append(tab);
+    }
+  }
+
   function drawConfig() {
     const c = config;
+    drawEngineTabs(c);
     if (c.source === "kv-events") {
       $("engine-config").textContent = `another engine's KV events (vLLM's format) from ${c.endpoint}`;
       return;

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from common.entrypoints.chapters import CHAPTER_FOLDERS, MODULE_CHAPTERS, module_chapter
+from common.entrypoints.chapters import (CHAPTER_FOLDERS, FLAG_CHAPTERS, MODULE_CHAPTERS,
+                                         module_chapter)
 from tests.check_imports import loaded_modules, over_budget, page_block, readme_table
 
 pytestmark = pytest.mark.layout
@@ -74,13 +75,26 @@ def test_each_chapter_page_lists_the_modules_the_table_gives_it(chapter):
     assert page_block(chapter) in text, "python -m tests.check_imports --write-pages"
 
 
-def test_no_engine_map_box_comes_before_its_module():
+def test_each_engine_map_box_has_its_modules_chapter_or_says_what_switches_it_on():
     """The engine map (pictures/data/engine-map.json) names each box's file
-    and chapter: a box may come in a later chapter than its module (chapter
-    05's continuous batching is in chapter 03's scheduler.py), never before
-    the chapter that first loads it."""
+    and chapter. A box of a module of `common/` has the chapter the table
+    gives that module, or a later one (chapter 05's continuous batching in
+    chapter 03's scheduler.py) with `switched_on_by`: a flag of that
+    chapter, or a name the file defines."""
     import json
     boxes = json.loads((ROOT / "pictures/data/engine-map.json").read_text())["boxes"]
-    early = [(box["file"], box["chapter"]) for box in boxes if box["file"].startswith("common/")
-             and box["chapter"] < MODULE_CHAPTERS[box["file"].removesuffix(".py").replace("/", ".")]]
-    assert early == []
+    wrong = []
+    for box in boxes:
+        if not box["file"].startswith("common/"):
+            continue
+        table = MODULE_CHAPTERS[box["file"].removesuffix(".py").replace("/", ".")]
+        by = box.get("switched_on_by")
+        if by is None:
+            ok = box["chapter"] == table
+        elif by.startswith("--"):
+            ok = box["chapter"] > table and FLAG_CHAPTERS.get(by) == box["chapter"]
+        else:
+            ok = box["chapter"] > table and by in (ROOT / box["file"]).read_text()
+        if not ok:
+            wrong.append((box["id"], box["chapter"], table, by))
+    assert wrong == []

@@ -55,7 +55,7 @@ from bench.loadtest import (
     summarize,
 )
 from bench.peers import vllm_peer
-from bench.record import record_head, write_results
+from bench.record import bf16_words, record_head, write_results
 from common.net import free_port
 
 RESULTS = ROOT / "bench" / "results"
@@ -287,7 +287,7 @@ def ms(value) -> str:
 def markdown(record: dict) -> str:
     m = record["machine"]
     lines = [f"# make bench-scale, {record['date']}", "",
-             f"{m['cpu']}, {m['cores']} cores; `{record['command']}`", "",
+             f"{m['cpu']}, {m['cores']} cores, {bf16_words(m)}; `{record['command']}`", "",
              "## The engine in the server's process or in its own", "",
              "| engine core | clients | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | failed |",
              "|---|---|---|---|---|---|---|"]

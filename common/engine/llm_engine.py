@@ -177,13 +177,13 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, reason)
-        self.stats_collector.count_finished(reason)
         if reason is FinishReason.ABORT:
             self.output_processor.abort(request_id)
+            self.stats_collector.observe_finished_between_steps(reason)
             return
         iteration_stats = IterationStats(time.monotonic())  # ch09: its latencies, now
         self.output_processor.finish(request_id, reason, iteration_stats)
-        self.stats_collector.stat_loggers.record(iteration_stats)
+        self.stats_collector.observe_finished_between_steps(reason, iteration_stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

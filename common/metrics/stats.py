@@ -337,6 +337,14 @@ class StatsCollector(StepObserver):
     def count_finished(self, reason) -> None:
         self.totals.finished[reason] = self.totals.finished.get(reason, 0) + 1
 
+    def observe_finished_between_steps(self, reason,
+                                       iteration_stats: IterationStats | None = None) -> None:
+        """A request finished outside a step (`LLMEngine.abort`): counted,
+        and its latencies (ch09's STOP from the API process) recorded."""
+        self.count_finished(reason)
+        if iteration_stats is not None:
+            self.stat_loggers.record(iteration_stats)
+
     # ------------------------------------------------------------ readers
     def kv_usage(self):
         return self.block_manager.usage(self.scheduler.running)

@@ -51,7 +51,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: imports figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
+.PHONY: lint-pages imports figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -72,6 +72,9 @@ test: $(STAMP) ## run the test suite (offline, CPU)
 
 exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09): grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
+
+lint-pages: $(STAMP) ## the pages lint: each chapter README's sentence lengths, each deck's slide heights, quotes against their files (python -m tests.check_pages)
+	$(PY) -m tests.check_pages
 
 imports: $(STAMP) ## the import budget: which modules of common/ each chapter's server and offline LLM load (tests/check_imports.py, ~2 min)
 	$(PY) -m tests.check_imports

@@ -88,7 +88,8 @@ COMMAND = re.compile(r"python -m ([\w.]+)(?: ([a-z]+)\b)?")
 def pages() -> list[Path]:
     """The pages a learner reads."""
     return sorted([ROOT / "README.md", *ROOT.glob("GLOSSARY.md"), ROOT / "bench" / "README.md",
-                   *ROOT.glob("0*/README.md"), *ROOT.glob("0*/slides.md"),
+                   *ROOT.glob("0*/README.md"), *ROOT.glob("0*/appendix.md"),
+                   *ROOT.glob("0*/slides.md"),
                    *ROOT.glob("0*/exercises/*.md")])
 
 

@@ -1,0 +1,275 @@
+"""The pages lint: prose a learner reads in one sitting, and quotes that match their files.
+
+    python -m tests.check_pages          # each chapter's figures, and what is over (make lint-pages)
+
+**Prose.** In each chapter README, the median sentence is at most
+MAX_MEDIAN_WORDS words and the 90th percentile at most MAX_P90_WORDS. How
+sentences are counted (`sentence_lengths`):
+
+- prose only: fenced blocks, tables, headings, images and HTML are dropped;
+- a full stop, `!` or `?` followed by a space ends a sentence, and so do a
+  blank line and the start of a list item ("e.g." and "i.e." do not);
+- a `code span` counts as one word, a link as the words of its text.
+
+**Slides.** In each deck, the median slide holds at most
+MAX_MEDIAN_SLIDE_LINES lines (tests/test_slides.py splits the decks as mdp
+does; the first slide, the title, is not counted).
+
+**Quotes.** Two kinds of quote name their file, and must match it:
+
+- a fenced block right after a caption line that starts with
+  "From `PATH`" and ends with ":" is a verbatim quote: its lines, with
+  their common indentation removed, are lines of PATH in the same order
+  (a line "..." stands for lines left out; trailing spaces do not count);
+- "`wc -l PATH`: N lines" says how many lines PATH has, and a table whose
+  header row is "| lines of `PATH` | ... |" gives line ranges "A-B" of
+  PATH: the ranges cover the file from its first line to its last, in
+  order, without a gap or an overlap.
+
+tests/test_pages.py runs these on every page, and on planted changes.
+
+Left out: the meaning of a sentence (the lint counts words, a reader
+judges the rest), quoted error messages (tests/test_docs.py checks those
+where a page quotes one).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pictures.make.figures import pages  # noqa: E402
+from tests.test_slides import parse_deck  # noqa: E402
+
+MAX_MEDIAN_WORDS = 18
+MAX_P90_WORDS = 30
+MAX_MEDIAN_SLIDE_LINES = 14
+
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
+NOT_AN_END = re.compile(r"\b(?:e\.g|i\.e|vs|cf|etc)\.$", re.IGNORECASE)
+SENTENCE_END = re.compile(r"[.!?][)\"'”’*_]*$")
+
+
+# ------------------------------------------------------------------ prose
+def prose_lines(text: str) -> list[str]:
+    """The page's prose: fenced blocks, tables, headings, images and HTML
+    dropped (an empty line kept in their place: a paragraph ends there)."""
+    kept, fence = [], None
+    for line in text.split("\n"):
+        opening = FENCE.match(line)
+        if fence is not None:
+            if opening and opening.group(1)[0] == fence:
+                fence = None
+            kept.append("")
+            continue
+        if opening:
+            fence = opening.group(1)[0]
+            kept.append("")
+            continue
+        stripped = line.strip()
+        if stripped.startswith(("|", "#", "<", "![")) or stripped in ("---", "***"):
+            kept.append("")
+            continue
+        kept.append(line)
+    return kept
+
+
+def words_of(line: str) -> list[str]:
+    """A line's words: a code span is one word, a link the words of its text."""
+    line = LINK.sub(lambda m: f" {m.group(1)} ", line)
+    line = CODE_SPAN.sub("CODE", line)
+    return [word for word in line.split() if any(c.isalnum() for c in word)]
+
+
+def sentence_lengths(text: str) -> list[int]:
+    """The number of words of each sentence of the page's prose."""
+    lengths: list[int] = []
+    current = 0
+
+    def end() -> None:
+        nonlocal current
+        if current:
+            lengths.append(current)
+        current = 0
+
+    for line in prose_lines(text):
+        if not line.strip():
+            end()
+            continue
+        if LIST_ITEM.match(line):
+            end()
+            line = LIST_ITEM.sub("", line, count=1)
+        for word in words_of(line):
+            current += 1
+            if SENTENCE_END.search(word) and not NOT_AN_END.search(word):
+                end()
+    end()
+    return lengths
+
+
+def percentile(values: list[int], fraction: float) -> float:
+    """The value below which `fraction` of them lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(fraction * len(ordered)) - 1))]
+
+
+@dataclass
+class ProseFigures:
+    sentences: int
+    median_words: float
+    p90_words: float
+
+    def over(self) -> list[str]:
+        problems = []
+        if self.median_words > MAX_MEDIAN_WORDS:
+            problems.append(f"median sentence {self.median_words:g} words > {MAX_MEDIAN_WORDS}")
+        if self.p90_words > MAX_P90_WORDS:
+            problems.append(f"90th percentile {self.p90_words:g} words > {MAX_P90_WORDS}")
+        return problems
+
+
+def prose_figures(path: Path) -> ProseFigures:
+    lengths = sentence_lengths(path.read_text(encoding="utf-8"))
+    return ProseFigures(len(lengths), statistics.median(lengths), percentile(lengths, 0.9))
+
+
+def deck_median_lines(path: Path) -> float:
+    """The median slide's height, the title slide left out."""
+    slides = parse_deck(path).slides[1:]
+    return statistics.median(len(slide.content()) for slide in slides)
+
+
+# ----------------------------------------------------------------- quotes
+QUOTE_CAPTION = re.compile(r"^From `([^`]+)`.*:\s*$")
+LINE_COUNT = re.compile(r"`wc -l ([^`]+)`: (\d+) lines")
+RANGE_HEADER = re.compile(r"^\|\s*lines of `([^`]+)`\s*\|")
+RANGE = re.compile(r"^\|\s*(\d+)-(\d+)\s*\|")
+
+
+def file_lines(path: str) -> list[str] | None:
+    file = ROOT / path
+    return file.read_text(encoding="utf-8").split("\n")[:-1] if file.is_file() else None
+
+
+def indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def verbatim_problem(path: str, block: list[str]) -> str | None:
+    """Why a block quoted from `path` is not its lines, in order, with their
+    indentation shifted alike (None: it is)."""
+    lines = file_lines(path)
+    if lines is None:
+        return f"`{path}` does not exist"
+    at, shift = 0, None
+    for want in block:
+        if not want.strip() or want.strip() == "...":
+            continue
+        for i in range(at, len(lines)):
+            have = lines[i]
+            if have.strip() == want.strip() and shift in (None, indent_of(have) - indent_of(want)):
+                at, shift = i + 1, indent_of(have) - indent_of(want)
+                break
+        else:
+            return f"quotes a line that is not in `{path}` (or not in this order): {want.strip()!r}"
+    return None
+
+
+def quote_problems(text: str) -> list[str]:
+    """Each quote of the page that does not match its file, with its line."""
+    problems = []
+    lines = text.split("\n")
+    caption_path, block, fence, start = None, [], None, 0
+    table_path, next_line = None, 1
+    for number, line in enumerate(lines, 1):
+        opening = FENCE.match(line)
+        if fence is not None:
+            if opening and opening.group(1)[0] == fence:
+                if caption_path:
+                    problem = verbatim_problem(caption_path, block)
+                    if problem:
+                        problems.append(f"line {start}: {problem}")
+                fence, caption_path = None, None
+            else:
+                block.append(line)
+            continue
+        if opening:
+            fence, block, start = opening.group(1)[0], [], number
+            previous = [l for l in lines[max(0, number - 3):number - 1] if l.strip()]
+            match = QUOTE_CAPTION.match(previous[-1]) if previous else None
+            caption_path = match.group(1) if match else None
+            continue
+        for path, count in LINE_COUNT.findall(line):
+            have = file_lines(path)
+            if have is None or len(have) != int(count):
+                problems.append(f"line {number}: `{path}` has "
+                                f"{'no file' if have is None else len(have)} lines, "
+                                f"the page says {count}")
+        header = RANGE_HEADER.match(line)
+        if header:
+            table_path, next_line = header.group(1), 1
+            continue
+        if table_path:
+            if line.startswith("|---") or line.startswith("| ---"):
+                continue
+            row = RANGE.match(line)
+            if row:
+                first, last = int(row.group(1)), int(row.group(2))
+                if first != next_line or last < first:
+                    problems.append(f"line {number}: lines {first}-{last} of `{table_path}`: "
+                                    f"the row above ends at {next_line - 1}")
+                next_line = last + 1
+                continue
+            have = file_lines(table_path)
+            if have is None or next_line - 1 != len(have):
+                problems.append(f"line {number}: the ranges of `{table_path}` end at "
+                                f"{next_line - 1}, the file has "
+                                f"{'no' if have is None else len(have)} lines")
+            table_path = None
+    return problems
+
+
+# ------------------------------------------------------------------ report
+def chapter_readmes() -> list[Path]:
+    return sorted(ROOT.glob("0*/README.md"))
+
+
+def decks() -> list[Path]:
+    return sorted(ROOT.glob("0*/slides.md"))
+
+
+def main() -> int:
+    failed = False
+    print(f"{'chapter README':<44} sentences  median  p90   (at most {MAX_MEDIAN_WORDS} and "
+          f"{MAX_P90_WORDS} words)")
+    for path in chapter_readmes():
+        figures = prose_figures(path)
+        over = figures.over()
+        failed |= bool(over)
+        print(f"{str(path.relative_to(ROOT)):<44} {figures.sentences:>9}  "
+              f"{figures.median_words:>6g}  {figures.p90_words:>3g}   {'; '.join(over)}")
+    print(f"\n{'deck':<44} median lines a slide (at most {MAX_MEDIAN_SLIDE_LINES})")
+    for path in decks():
+        median = deck_median_lines(path)
+        failed |= median > MAX_MEDIAN_SLIDE_LINES
+        print(f"{str(path.relative_to(ROOT)):<44} {median:>6g}"
+              f"{'   over' if median > MAX_MEDIAN_SLIDE_LINES else ''}")
+    print()
+    for page in pages():
+        for problem in quote_problems(page.read_text(encoding="utf-8")):
+            failed = True
+            print(f"{page.relative_to(ROOT)}: {problem}")
+    print("pages lint:", "over" if failed else "passes")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,7 +51,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: lint-pages imports figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -171,6 +171,9 @@ figures: $(STAMP) ## every results .md written again from its .json; then every 
 
 samples: $(STAMP) ## the sample outputs the pages quote (answers, /stats, log lines, traces), from real runs (~5 min)
 	$(PY) -m pictures.make.samples
+
+screenshots: $(STAMP) ## the live view's screenshots of chapters 03, 04 and 05 on the demo card, 8 clients (pictures/screenshots/, needs chromium; ~3 min)
+	$(PY) -m pictures.make.screenshots
 
 pictures: $(STAMP) ## the course's pictures (KV pool, timelines, card, engine map) from pictures/data/, redrawn
 	$(PY) -m pictures.make.pictures

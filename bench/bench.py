@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from bench.loadtest import CHAPTERS, ROOT
-from bench.measure import add_ratios, add_vllm_ratios, run_bench
+from bench.measure import add_ladder_ratios, add_ratios, add_vllm_ratios, run_bench
 from bench.peers import llamacpp, vllm_peer
 from bench.plot import draw
 from bench.presets import (
@@ -194,6 +194,7 @@ def redraw(json_path: Path, out_dir: Path) -> None:
     rec = json.loads(json_path.read_text())
     figure = rec.get("figure") or rec["settings"]["figure"]  # older files: the preset's
     add_ratios(rec["rows"])
+    add_ladder_ratios(rec["rows"])
     add_vllm_ratios(rec["rows"])
     json_path.write_text(json.dumps(rec, indent=2) + "\n")
     write_table_and_figure(rec, json_path, out_dir / figure)

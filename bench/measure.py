@@ -56,7 +56,8 @@ FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s",
            "tpot_mean_s", "itl_p50_s", "e2e_p50_s", "e2e_p95_s",
            "peak_kv_reserved_bytes", "peak_kv_used_bytes", "kv_waste_perc",
-           "peak_running", "preemptions", "x_ch02", "x_vllm"]
+           "peak_running", "preemptions", "kv_room_tokens", "prefix_cache_hit_rate",
+           "x_ch02", "x_vllm", "x_above"]
 
 
 # ---------------------------------------------------------------- rows
@@ -66,7 +67,7 @@ def empty_row(entry: Entry, clients: int, status: str, error: str | None = None)
     row = {"name": entry.name, "system": system, "url": entry.url, "dtype": entry.dtype,
            "card_gb": entry.card_gb, "clients": clients, "requests_per_client": entry.requests,
            "max_tokens": entry.max_tokens, "stream": entry.stream,
-           "status": status, "note": entry.note}
+           "status": status, "note": entry.note, "change": entry.change, "moves": entry.moves}
     row.update(dict.fromkeys(FIGURES))
     row["first_error"] = error
     return row
@@ -85,7 +86,9 @@ def row_from_summary(entry: Entry, clients: int, summary: dict,
                    peak_kv_used_bytes=stats["peak_kv_used_bytes"],
                    kv_waste_perc=stats["avg_kv_waste_perc"],
                    peak_running=stats["peak_running"],
-                   preemptions=stats["num_preemptions"] - before)
+                   preemptions=stats["num_preemptions"] - before,
+                   kv_room_tokens=stats["num_blocks"] * stats["block_size"],
+                   prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
     expected = (row["completed"] or 0) * entry.max_tokens
     if row["output_tokens"] is not None and row["output_tokens"] < expected:
         row["note"] = "; ".join(filter(None, [row["note"], (
@@ -105,6 +108,19 @@ def add_ratios(rows: list[dict]) -> None:
         refs.sort(key=lambda r: r["name"] != "02 (roomy)")
         if refs and row["output_tokens_per_s"] is not None:
             row["x_ch02"] = row["output_tokens_per_s"] / refs[0]["output_tokens_per_s"]
+
+
+def add_ladder_ratios(rows: list[dict]) -> None:
+    """x_above: a ladder row's output tokens/s over the row above's, at the
+    same number of clients (the one change it makes, priced)."""
+    ladder = [row for row in rows if row.get("change")]
+    for row in rows:
+        row["x_above"] = None
+    for clients in {row["clients"] for row in ladder}:
+        mine = [row for row in ladder if row["clients"] == clients]
+        for above, row in zip(mine, mine[1:]):
+            if above["output_tokens_per_s"] and row["output_tokens_per_s"] is not None:
+                row["x_above"] = row["output_tokens_per_s"] / above["output_tokens_per_s"]
 
 
 def add_vllm_ratios(rows: list[dict]) -> None:
@@ -322,5 +338,6 @@ def run_bench(s: Settings, log_dir: Path) -> list[dict]:
     if peers:
         rows += measure_peers(peers, s)
     add_ratios(rows)
+    add_ladder_ratios(rows)
     add_vllm_ratios(rows)
     return rows

@@ -10,7 +10,9 @@
   it;
 - `draw_sweep` (the sweep presets): tokens/s and p95 latency against the
   number of clients, one line per system, a red cross where requests
-  failed.
+  failed;
+- `draw_ladder`, beside either (`chapters-ladder.png`) when the run has
+  the chapter ladder: one bar per row, labelled with its one change.
 
 Left out: error bars (one run per row), and the table (bench/table.py).
 """
@@ -132,6 +134,49 @@ def draw_sweep(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _ladder_words(row: dict) -> str:
+    """What a ladder row's bar says: its tok/s, its ratio to the row above,
+    and the figure its change moves where that is not tok/s."""
+    words = [f"{row['output_tokens_per_s']:.1f} tok/s"]
+    if row["x_above"] is not None:
+        words.append(f"{row['x_above']:.2f}x the row above")
+    if "KV room" in row["moves"] and row["kv_room_tokens"] is not None:
+        words.append(f"KV room {row['kv_room_tokens']:,} tokens")
+    if "prefix" in row["moves"] and row["prefix_cache_hit_rate"] is not None:
+        words.append(f"prefix-cache hits {row['prefix_cache_hit_rate']:.0%}")
+    return "  " + ", ".join(words)
+
+
+def draw_ladder(rows: list[dict], path: Path, title: str) -> None:
+    """The chapter ladder: one bar per row (output tokens/s), labelled with
+    the one thing the row changes from the row above."""
+    ladder = [r for r in rows if r.get("change") and r["output_tokens_per_s"] is not None]
+    if not ladder:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(13, 1.4 + 0.62 * len(ladder)))
+    ys = range(len(ladder))
+    tps = [r["output_tokens_per_s"] for r in ladder]
+    ax.barh(ys, tps, color=["tab:red" if r["failed"] else "tab:blue" for r in ladder])
+    for y, row in enumerate(ladder):
+        ax.text(row["output_tokens_per_s"], y, _ladder_words(row), va="center", fontsize=8.5)
+    ax.set_yticks(list(ys), [f"{r['name']}: {r['change']}" for r in ladder], fontsize=8.5)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(tps) * 1.6)
+    ax.set_xlabel("output tokens/s (higher is better): each row changes one thing "
+                  "from the row above")
+    _mark_failures(ax, ladder, tps)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ladder_figure(path: Path) -> Path:
+    """Where a run's ladder picture goes: beside its figure (chapters-ladder.png)."""
+    return path.with_name(f"{path.stem}-ladder{path.suffix}")
+
+
 def draw(rec: dict, path: Path) -> None:
     """A bench record's figure: the sweep's lines or the chapters' bars."""
     s, m = rec["settings"], rec["machine"]
@@ -139,3 +184,4 @@ def draw(rec: dict, path: Path) -> None:
     title = f"{s['model']} ({s['dtype']}) on {where} - {rec['date'][:10]} - {rec['command']}"
     drawer = draw_sweep if s["preset"].startswith("sweep") else draw_chapters
     drawer(rec["rows"], path, title)
+    draw_ladder(rec["rows"], ladder_figure(path), title)

@@ -7,7 +7,9 @@ bench/bench.py. `plan` turns the settings into the systems to measure, in
 order, one `Entry` each:
 
 - the chapters: chapter 01 with its lighter load, chapter 02 on the demo
-  card and on a roomy one;
+  card and on a roomy one; then, with `ladder` (the default and quick
+  presets), chapters 03-06 as a ladder (`LADDER`): each row changes one
+  thing from the row above, on the same card and load;
 - the levers of `vllm serve` (`LEVER_FLAGS`): chapter 06's engine again,
   through chapter 08's server where the lever is quantization or tensor
   parallelism;
@@ -69,6 +71,36 @@ class Settings:
     max_num_batched_tokens: int = 512
     figure: str = "chapters.png"
     require_cuda: bool = False
+    ladder: bool = False  # chapters 03-06 as LADDER's rows, one change each
+
+
+@dataclass(frozen=True)
+class LadderStep:
+    """One row of the chapter ladder: a chapter's server with some flags,
+    and the one thing it changes from the row above."""
+    name: str
+    chapter: str
+    flags: tuple[str, ...]
+    change: str  # from the row above
+    moves: str  # the figure that change is meant to move
+
+
+# Chapter 03 to 06, one change a row. Chapter 03 runs one request at a
+# time (its server sets max_num_seqs=1), so paging alone is chapter 04 at
+# one sequence too; batching is the next row.
+LADDER = [
+    LadderStep("03", "03", (), "the base: our forward pass, one region of max_model_len "
+               "slots per request, one request at a time", "-"),
+    LadderStep("04, 1 seq", "04", ("--max-num-seqs", "1"),
+               "paging alone: blocks of 16 tokens instead of one region", "KV room"),
+    LadderStep("04", "04", (), "batching: static batches of up to 64 sequences", "tok/s"),
+    LadderStep("05, no prefix cache", "05", ("--no-enable-prefix-caching",),
+               "continuous batching: requests join and leave at every step", "tok/s, e2e"),
+    LadderStep("05", "05", (), "prefix caching on (the prompts share a system prompt)",
+               "prefix-cache hits"),
+    LadderStep("06", "06", (), "the OpenAI server: SSE streaming, the API's checks",
+               "tok/s: the API's cost"),
+]
 
 
 # Chapters 07 and 08 serve chapter 06's engine: without their flags they
@@ -76,10 +108,10 @@ class Settings:
 ALL_CHAPTERS = [c for c in CHAPTERS if c <= "06"]
 PRESETS = {
     "default": Settings("default", ALL_CHAPTERS, [16], 2, 64, 1.1, 16.0,
-                        ch01_clients=2, ch01_max_tokens=32),
+                        ch01_clients=2, ch01_max_tokens=32, ladder=True),
     "quick": Settings("quick", ALL_CHAPTERS, [4], 1, 32, 1.1, 16.0,
                       ch01_clients=1, ch01_max_tokens=16, deadline_s=120.0,
-                      figure="chapters-quick.png"),  # keeps the full run's figure
+                      figure="chapters-quick.png", ladder=True),  # keeps the full run's figure
     # Chapter 02's roomy card is 8 GiB here: each of its requests holds a real
     # 360 MiB static cache in RAM, and 64 of them would not fit in the machine.
     "sweep": Settings("sweep", ["02", "05", "06"], [1, 2, 4, 8, 16, 32, 64], 1, 32, 1.1,
@@ -114,10 +146,15 @@ class Entry:
     server_flags: list[str] = field(default_factory=list)  # a lever's flags (--levers)
     named: bool = True  # False: a URL row takes the name the server gives its model
     dtype: str | None = None  # the dtype it computes in, where we know it (x vLLM pairs on it)
+    change: str = ""  # a ladder row: what it changes from the row above
+    moves: str = ""  # a ladder row: the figure that change moves
 
 
 def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
-    """Chapter 01 with its lighter load; chapter 02 on the card and a roomy one."""
+    """Chapter 01 with its lighter load; chapter 02 on the card and a roomy
+    one; with `s.ladder`, chapters 03-06 as the ladder's rows."""
+    if s.ladder and chapter in {step.chapter for step in LADDER}:
+        return ladder_entries(chapter, s)
     if chapter == "01":
         return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients], dtype=s.dtype,
                       max_tokens=s.ch01_max_tokens,
@@ -131,6 +168,16 @@ def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
     roomy = Entry("02 (roomy)", "02", card_gb=s.roomy_card_gb,
                   note="a roomy card, so that chapter 02 survives", **load)
     return [on_card, roomy] if s.ch02_on_card else [roomy]
+
+
+def ladder_entries(chapter: str, s: Settings) -> list[Entry]:
+    """The ladder's rows of this chapter, on the card and load of the others."""
+    return [Entry(step.name, step.chapter, card_gb=s.card_gb, clients=s.clients,
+                  requests=s.requests, max_tokens=s.max_tokens,
+                  stream=step.chapter in STREAMING_CHAPTERS, dtype=s.dtype,
+                  server_flags=list(step.flags), note=" ".join(step.flags),
+                  change=step.change, moves=step.moves)
+            for step in LADDER if step.chapter == chapter]
 
 
 # The levers of `vllm serve` (chapter 06): one more chapter 06 row each.

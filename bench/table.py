@@ -72,6 +72,40 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+LADDER_COLUMNS = [
+    ("row", lambda r: r["name"]),
+    ("what it changes from the row above", lambda r: r["change"]),
+    ("moves", lambda r: r["moves"]),
+    ("output tok/s", lambda r: _num(r["output_tokens_per_s"], "{:.1f}")),
+    ("x the row above", lambda r: _num(r["x_above"], "{:.2f}x")),
+    ("KV room, tokens", lambda r: _num(r["kv_room_tokens"], "{:,}")),
+    ("peak running", lambda r: _num(r["peak_running"], "{}")),
+    ("prefix-cache hits", lambda r: _num(r["prefix_cache_hit_rate"], "{:.0f} %", 100)),
+    ("e2e p50 s", lambda r: _num(r["e2e_p50_s"], "{:.1f}")),
+    ("x ch02", lambda r: _num(r["x_ch02"], "{:.1f}x")),
+]
+
+
+def ladder_table(rows: list[dict]) -> list[str]:
+    """The chapter ladder (chapters 03-06, one change a row), and the end to
+    end figure set against the seed's "up to 24 times" the naive server."""
+    ladder = [row for row in rows if row.get("change")]
+    if not ladder:
+        return []
+    lines = ["## The chapter ladder: one change a row", "",
+             "| " + " | ".join(name for name, _ in LADDER_COLUMNS) + " |",
+             "|" + "---|" * len(LADDER_COLUMNS)]
+    lines += ["| " + " | ".join(cell(row) for _, cell in LADDER_COLUMNS) + " |"
+              for row in ladder]
+    top = ladder[-1]
+    if top["x_ch02"] is not None:
+        lines += ["", f"End to end, row {top['name']} serves {top['x_ch02']:.1f}x chapter 02's "
+                      f"output tokens/s on its roomy card, at {top['clients']} clients (the seed "
+                      "article says \"up to 24 times the throughput of the naive method\", on "
+                      "a GPU under its own load)."]
+    return ["", *lines, ""]
+
+
 def notes(rows: list[dict]) -> list[str]:
     """One line per system that needs words: its note, its first error."""
     out = []
@@ -104,4 +138,5 @@ def render_markdown(rec: dict) -> str:
          "where they stream, and `hf-generate-batch`'s own timestamps); KV figures come "
          "from the servers' `/stats` (chapters 03-06)."),
     ]
-    return "\n".join(header + ["", markdown_table(rec["rows"]), ""] + notes(rec["rows"])) + "\n"
+    return "\n".join(header + ["", markdown_table(rec["rows"]), ""] + notes(rec["rows"])
+                     + ladder_table(rec["rows"])) + "\n"

@@ -21,7 +21,8 @@ does; the first slide, the title, is not counted).
   "From `PATH`" and ends with ":" is a verbatim quote: its lines, with
   their common indentation removed, are lines of PATH in the same order
   (a line "..." stands for lines left out; trailing spaces do not count);
-- "`wc -l PATH`: N lines" says how many lines PATH has, and a table whose
+- "`wc -l PATH`: N lines" (in a code block: "wc -l PATH   # N") says how
+  many lines PATH has, and a table whose
   header row is "| lines of `PATH` | ... |" gives line ranges "A-B" of
   PATH: the ranges cover the file from its first line to its last, in
   order, without a gap or an overlap.
@@ -34,10 +35,12 @@ where a page quotes one).
 """
 from __future__ import annotations
 
+import ast
 import re
 import statistics
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +153,7 @@ def deck_median_lines(path: Path) -> float:
 # ----------------------------------------------------------------- quotes
 QUOTE_CAPTION = re.compile(r"^From `([^`]+)`.*:\s*$")
 LINE_COUNT = re.compile(r"`wc -l ([^`]+)`: (\d+) lines")
+LINE_COUNT_IN_CODE = re.compile(r"wc -l (\S+)\s+# *(\d+)\b")
 RANGE_HEADER = re.compile(r"^\|\s*lines of `([^`]+)`\s*\|")
 RANGE = re.compile(r"^\|\s*(\d+)-(\d+)\s*\|")
 
@@ -183,12 +187,24 @@ def verbatim_problem(path: str, block: list[str]) -> str | None:
     return None
 
 
+def count_problems(counts: list[tuple[str, str]], number: int) -> list[str]:
+    """Each (path, count) quoted at line `number` that is not the file's."""
+    problems = []
+    for path, count in counts:
+        have = file_lines(path)
+        if have is None or len(have) != int(count):
+            problems.append(f"line {number}: `{path}` has "
+                            f"{'no file' if have is None else len(have)} lines, "
+                            f"the page says {count}")
+    return problems
+
+
 def quote_problems(text: str) -> list[str]:
     """Each quote of the page that does not match its file, with its line."""
     problems = []
     lines = text.split("\n")
     caption_path, block, fence, start = None, [], None, 0
-    table_path, next_line = None, 1
+    table_path, next_line, table_line = None, 1, 0
     for number, line in enumerate(lines, 1):
         opening = FENCE.match(line)
         if fence is not None:
@@ -200,6 +216,7 @@ def quote_problems(text: str) -> list[str]:
                 fence, caption_path = None, None
             else:
                 block.append(line)
+                problems += count_problems(LINE_COUNT_IN_CODE.findall(line), number)
             continue
         if opening:
             fence, block, start = opening.group(1)[0], [], number
@@ -207,15 +224,10 @@ def quote_problems(text: str) -> list[str]:
             match = QUOTE_CAPTION.match(previous[-1]) if previous else None
             caption_path = match.group(1) if match else None
             continue
-        for path, count in LINE_COUNT.findall(line):
-            have = file_lines(path)
-            if have is None or len(have) != int(count):
-                problems.append(f"line {number}: `{path}` has "
-                                f"{'no file' if have is None else len(have)} lines, "
-                                f"the page says {count}")
+        problems += count_problems(LINE_COUNT.findall(line), number)
         header = RANGE_HEADER.match(line)
         if header:
-            table_path, next_line = header.group(1), 1
+            table_path, next_line, table_line = header.group(1), 1, number
             continue
         if table_path:
             if line.startswith("|---") or line.startswith("| ---"):
@@ -228,12 +240,81 @@ def quote_problems(text: str) -> list[str]:
                                     f"the row above ends at {next_line - 1}")
                 next_line = last + 1
                 continue
-            have = file_lines(table_path)
-            if have is None or next_line - 1 != len(have):
-                problems.append(f"line {number}: the ranges of `{table_path}` end at "
-                                f"{next_line - 1}, the file has "
-                                f"{'no' if have is None else len(have)} lines")
+            problems += ranges_end_problems(table_path, next_line - 1, table_line)
             table_path = None
+    if table_path:  # a table at the end of the page
+        problems += ranges_end_problems(table_path, next_line - 1, table_line)
+    return problems
+
+
+def ranges_end_problems(path: str, last: int, number: int) -> list[str]:
+    """A range table (its header at line `number`) must end at the file's last line."""
+    have = file_lines(path)
+    if have is not None and last == len(have):
+        return []
+    return [f"line {number}: the ranges of `{path}` end at {last}, the file has "
+            f"{'no' if have is None else len(have)} lines"]
+
+
+# --------------------------------------------------------- error messages
+ERROR_MESSAGE = re.compile(r'"error"\s*:\s*\{\s*"message"\s*:\s*"((?:[^"\\\n]|\\.)*)("?)')
+CODE_FOLDERS = ("common", "bench", *(p.name for p in sorted(ROOT.glob("0*"))))
+
+
+@lru_cache(maxsize=None)
+def course_code() -> tuple[tuple[re.Pattern, ...], str]:
+    """Every string the course's code writes with at least 12 characters of
+    its own, as a pattern (an f-string's fields match any text), and all
+    the code's text."""
+    patterns, texts = set(), []
+    for folder in CODE_FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text(encoding="utf-8")
+            texts.append(text)
+            try:
+                tree = ast.parse(text)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.JoinedStr):
+                    literal = [v.value for v in node.values if isinstance(v, ast.Constant)]
+                    if len("".join(map(str, literal))) >= 12:
+                        patterns.add("".join(re.escape(str(v.value)) if isinstance(v, ast.Constant)
+                                             else ".+?" for v in node.values))
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and len(node.value) >= 12:
+                    patterns.add(re.escape(node.value))
+    return tuple(re.compile(p, re.DOTALL) for p in patterns), "\n".join(texts)
+
+
+EXCEPTION_PREFIX = re.compile(r"^\w+(?:Error|Exception): ")
+
+
+def message_matches_code(message: str, whole: bool = True) -> bool:
+    """A quoted error message is a string of the code (its fields filled in,
+    a full stop after it allowed, an exception's name before it). A quote
+    cut short (with "...", or running on to the next line: not `whole`) is
+    checked by its words: each piece between its figures and code spans is
+    in the code."""
+    message = EXCEPTION_PREFIX.sub("", message)
+    cut = re.split(r"\s*(?:\.\.\.|…)", message, maxsplit=1)[0]
+    templates, code = course_code()
+    if cut != message or not whole:
+        pieces = re.split(r"\d[\d.,]*|`[^`]*`|: ", cut)
+        return all(piece.strip() in code for piece in pieces if len(piece.strip()) >= 4)
+    return any(t.fullmatch(message) or t.fullmatch(message.removesuffix("."))
+               for t in templates)
+
+
+def message_problems(text: str) -> list[str]:
+    """Each error envelope's message on the page that the code cannot write."""
+    problems = []
+    for number, line in enumerate(text.split("\n"), 1):
+        for raw, closed in ERROR_MESSAGE.findall(line):
+            message = raw.replace('\\"', '"')
+            if not message_matches_code(message, whole=bool(closed)):
+                problems.append(f"line {number}: an error message the code does not write: "
+                                f"{message[:80]!r}")
     return problems
 
 
@@ -264,7 +345,8 @@ def main() -> int:
               f"{'   over' if median > MAX_MEDIAN_SLIDE_LINES else ''}")
     print()
     for page in pages():
-        for problem in quote_problems(page.read_text(encoding="utf-8")):
+        text = page.read_text(encoding="utf-8")
+        for problem in quote_problems(text) + message_problems(text):
             failed = True
             print(f"{page.relative_to(ROOT)}: {problem}")
     print("pages lint:", "over" if failed else "passes")

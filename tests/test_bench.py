@@ -31,17 +31,20 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
     assert {"cpu", "cores", "gpu", "torch", "transformers", "host"} <= set(record["machine"])
     assert record["settings"]["model"] == "tiny-llama"
     names = [row["name"] for row in record["rows"]]
-    assert names == ["05", "vLLM 0.32.0 float32", "vLLM 0.32.0 bfloat16", "llama.cpp f32",
-                     "hf-generate", "hf-static-batch", "hf-generate-batch"]
+    assert names == ["05, no prefix cache", "05", "vLLM 0.32.0 float32", "vLLM 0.32.0 bfloat16",
+                     "llama.cpp f32", "hf-generate", "hf-static-batch", "hf-generate-batch"]
     for _ in range(3):  # the bench's model is not the one vLLM and llama.cpp run
-        peer = record["rows"].pop(1)
+        peer = record["rows"].pop(2)
         assert peer["status"] == "skipped" and "embedded model only" in peer["first_error"]
     for row in record["rows"]:
         assert set(measure.FIGURES) <= set(row), row["name"]
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8), row
         assert row["output_tokens_per_s"] > 0 and row["e2e_p95_s"] > 0
-    ch05 = record["rows"][0]
+    ch05 = record["rows"][1]
     assert ch05["peak_running"] >= 1 and 0 <= ch05["kv_waste_perc"] <= 100
+    assert ch05["x_above"] > 0 and ch05["kv_room_tokens"] > 0  # the ladder's two ch05 rows
+    assert "## The chapter ladder" in json_path.with_suffix(".md").read_text()
+    assert (tmp_path / "chapters-quick-ch05-ladder.png").stat().st_size > 10_000
     assert ch05["peak_kv_reserved_bytes"] >= ch05["peak_kv_used_bytes"] > 0
     assert record["rows"][-1]["ttft_p50_s"] is not None  # generate_batch timestamps
     written = json_path.with_suffix(".md").read_text()
@@ -126,9 +129,41 @@ def test_x_vllm_pairs_each_row_with_the_vllm_row_of_its_dtype():
 def test_the_bench_plan_gives_chapter_01_a_lighter_load_and_02_two_cards():
     entries = presets.plan(presets.PRESETS["default"])
     names = [e.name for e in entries]
-    assert names == ["01", "02", "02 (roomy)", "03", "04", "05", "06"]
+    assert names == ["01", "02", "02 (roomy)", "03", "04, 1 seq", "04", "05, no prefix cache",
+                     "05", "06"]
     ch01 = entries[0]
     assert ch01.max_tokens < entries[1].max_tokens and "lighter" in ch01.note
+
+
+def test_each_ladder_row_changes_one_thing_from_the_row_above():
+    """Chapters 03-06 on the same card and load; each row's flags or
+    chapter differ from the row above's in one place."""
+    entries = [e for e in presets.plan(presets.PRESETS["default"]) if e.change]
+    assert {(e.card_gb, tuple(e.clients), e.requests, e.max_tokens) for e in entries} == {
+        (1.1, (16,), 2, 64)}
+    steps = [(e.chapter, tuple(e.server_flags)) for e in entries]
+    assert steps == [("03", ()), ("04", ("--max-num-seqs", "1")), ("04", ()),
+                     ("05", ("--no-enable-prefix-caching",)), ("05", ()), ("06", ())]
+    for (chapter, flags), (above_chapter, above_flags) in zip(steps[1:], steps):
+        assert (chapter != above_chapter) + (flags != above_flags) >= 1
+        assert chapter == above_chapter or not flags or not above_flags
+
+
+def test_the_ladder_prices_each_change_against_the_row_above(tmp_path):
+    rows = [_row(step.name, 16, tps, chapter=step.chapter)
+            for step, tps in zip(presets.LADDER, [20.0, 20.0, 100.0, 150.0, 160.0, 150.0])]
+    for row, step in zip(rows, presets.LADDER):
+        row.update(change=step.change, moves=step.moves, kv_room_tokens=8192,
+                   prefix_cache_hit_rate=0.5)
+    rows.insert(0, _row("02 (roomy)", 16, 10.0, chapter="02"))
+    measure.add_ratios(rows)
+    measure.add_ladder_ratios(rows)
+    assert [r["x_above"] for r in rows] == [None, None, 1.0, 5.0, 1.5, 160 / 150, 150 / 160]
+    text = "\n".join(table.ladder_table(rows))
+    assert "| 04, 1 seq | paging alone" in text and "| 5.00x |" in text
+    assert "row 06 serves 15.0x chapter 02's" in text and "up to 24 times" in text
+    plot.draw_ladder(rows, tmp_path / "ladder.png", "synthetic ladder")
+    assert (tmp_path / "ladder.png").stat().st_size > 10_000
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU machine")

@@ -98,3 +98,27 @@ def test_each_engine_map_box_has_its_modules_chapter_or_says_what_switches_it_on
         if not ok:
             wrong.append((box["id"], box["chapter"], table, by))
     assert wrong == []
+
+
+# The words a summary may use for the fields of FIELD_CHAPTERS.
+FIELD_WORDS = {"stop": ["stop"], "logprobs": ["logprobs"], "streaming": ["stream"],
+               "penalties": ["presence_penalty", "frequency_penalty", "repetition_penalty"]}
+
+
+def test_the_readme_table_gives_each_field_and_flag_to_the_chapter_that_adds_it():
+    """CHAPTER_SUMMARY's words (the README's "component it adds") name a
+    request field or a flag only in the chapter that FIELD_CHAPTERS or
+    FLAG_CHAPTERS gives it to."""
+    import re
+    from common.entrypoints.chapters import CHAPTER_SUMMARY, FIELD_CHAPTERS
+    wrong = []
+    for chapter, (_, adds, _) in CHAPTER_SUMMARY.items():
+        words = set(re.findall(r"[\w-]+", adds.replace("`", "")))
+        for word in words:
+            for field in FIELD_WORDS.get(word, [word] if word in FIELD_CHAPTERS else []):
+                if FIELD_CHAPTERS[field] != chapter:
+                    wrong.append((chapter, word, FIELD_CHAPTERS[field]))
+            if f"--{word.lstrip('-')}" in FLAG_CHAPTERS and word.startswith("--") \
+                    and FLAG_CHAPTERS[word] != chapter:
+                wrong.append((chapter, word, FLAG_CHAPTERS[word]))
+    assert wrong == []

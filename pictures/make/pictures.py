@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PICTURES_DIR = ROOT / "pictures"
 DATA_DIR = PICTURES_DIR / "data"
 RESULTS_DIR = ROOT / "bench" / "results"
-CHAPTERS = ["01", "02", "03", "04", "05", "06", "07", "08"]
+CHAPTERS = ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 COMMAND = "python -m pictures.make.pictures --record"
 
 # --------------------------------------------------------------- the load
@@ -265,10 +266,32 @@ def latest_results(pattern: str) -> Path:
     return found[-1]
 
 
+def samples_with(capture: str) -> Path:
+    """The newest samples file (`make samples`) that holds `capture`."""
+    for path in sorted(RESULTS_DIR.glob("*-samples.json"), reverse=True):
+        if capture in json.loads(path.read_text())["samples"]:
+            return path
+    raise FileNotFoundError(f"no bench/results/*-samples.json holds {capture!r}")
+
+
 def stats_after_load(samples: dict, capture: str) -> dict:
     """The /stats JSON a samples capture ends with."""
     text = samples["samples"][capture]["text"]
     return json.loads(text.split("/stats after the load: ", 1)[1])
+
+
+OOM_MESSAGE = re.compile(r"Tried to allocate ([\d.]+) MiB .*?([\d.]+) MiB total .*?"
+                         r"([\d.]+) MiB already allocated; ([\d.]+) MiB free")
+
+
+def ch02_crash(samples_path: Path) -> dict:
+    """Chapter 02's second request on the demo card, from the error it got
+    (the samples' "ch02-two-at-once": two requests at once, one fails)."""
+    text = json.loads(samples_path.read_text())["samples"]["ch02-two-at-once"]["text"]
+    request, budget, allocated, free = map(float, OOM_MESSAGE.search(text).groups())
+    return {"request_mib": request, "budget_mib": budget, "allocated_mib": allocated,
+            "free_mib": free, "weights_mib": round(allocated - request, 2),
+            "source": f"{samples_path.relative_to(ROOT)} (ch02-two-at-once, the error message)"}
 
 
 def card_data() -> dict:
@@ -283,7 +306,7 @@ def card_data() -> dict:
 
     levers_path = latest_results("*-levers.json")
     tp_path = latest_results("*-tensor-parallel.json")
-    samples_path = latest_results("*-samples.json")
+    samples_path = samples_with("ch03-log-2x64")
     levers = {row["lever"]: row for row in json.loads(levers_path.read_text())["rows"]}
     card_gb = json.loads(levers_path.read_text())["settings"]["card_gb"]
     tp_rank = {row["tp"]: row for row in json.loads(tp_path.read_text())["rows"]}[3]["ranks"][0]
@@ -323,6 +346,7 @@ def card_data() -> dict:
             bar("ch08: -tp 3, one of 3 cards", tp_rank["weights_mib"], 3, 16,
                 tp_rank["kv_blocks"]),
         ],
+        "ch02": ch02_crash(samples_with("ch02-two-at-once")),
         "sources": {
             "ch03 region": f"{samples_path.relative_to(ROOT)} (ch03-log-2x64, /stats)",
             "weights, blocks": f"{levers_path.relative_to(ROOT)} (rows float32, int4)",
@@ -628,6 +652,46 @@ def draw_card(data: list[dict]):
     return fig
 
 
+def draw_card_ch02(data: list[dict]):
+    """Chapter 02 on the demo card: the weights and the first request's
+    static cache fit; the second request's does not (its error's figures)."""
+    plt = pyplot()
+    card = data[0]
+    crash = card["ch02"]
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.7))
+    ax.axvspan(card["budget_mib"], card["card_mib"], color="#eeeeee", zorder=0)
+    left = 0.0
+    for width, colour, text in [
+            (crash["weights_mib"], "#6a6ad5", f"weights\n{crash['weights_mib']:.0f} MiB"),
+            (crash["request_mib"], "#31a354",
+             f"request 1: static cache\n+ activations, {crash['request_mib']:.2f} MiB")]:
+        ax.barh(1, width, left=left, color=colour, edgecolor="white", height=0.55)
+        ax.text(left + width / 2, 1, text, ha="center", va="center", fontsize=8, color="white")
+        left += width
+    ax.barh(0, crash["request_mib"], left=crash["allocated_mib"], color="#fcbba1",
+            edgecolor="#cb181d", hatch="//", height=0.55)
+    ax.text(crash["allocated_mib"] + crash["request_mib"] / 2, 0,
+            f"request 2 asks {crash['request_mib']:.2f} MiB", ha="center", va="center",
+            fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+    ax.text(crash["allocated_mib"] - 12, 0, f"only {crash['free_mib']:.2f} MiB free:\n"
+            "CUDA out of memory", ha="right", va="center", fontsize=8.5, color="#cb181d")
+    top = ax.get_xaxis_transform()
+    ax.axvline(card["budget_mib"], color="black", linestyle="--", linewidth=1)
+    ax.axvline(card["card_mib"], color="black", linewidth=1.5)
+    ax.text(card["budget_mib"] - 5, 1.01, f"the engine's {card['gpu_memory_utilization']:.0%}: "
+            f"{card['budget_mib']:.0f} MiB", transform=top, ha="right", va="bottom", fontsize=8)
+    ax.text(card["card_mib"] + 5, 1.01, f"card: {card['card_mib']:.0f} MiB", transform=top,
+            ha="left", va="bottom", fontsize=8)
+    ax.set_yticks([1, 0], ["on the card", "the second\nrequest"])
+    ax.set_ylim(-0.55, 1.55)
+    ax.set_xlim(0, crash["allocated_mib"] + crash["request_mib"] + 40)
+    ax.set_xlabel("MiB on one card")
+    fig.suptitle(f"Chapter 02 on the demo card ({card['card_mib'] / 1024:.1f} GiB, float32): "
+                 "one request fits, the second does not", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 # -- the engine map
 def box_style(box_chapter: str, chapter: str) -> dict:
     if box_chapter == chapter:
@@ -699,6 +763,7 @@ PICTURES = {
     "timeline-ch04-vs-ch05.png": (["kv-trace-ch04.json", "kv-trace-ch05.json"], draw_timelines),
     "timeline-preemption.png": (["kv-trace-preemption.json"], draw_timelines),
     "card.png": (["card.json"], draw_card),
+    "card-ch02.png": (["card.json"], draw_card_ch02),
     **{f"engine-map-ch{c}.png": (["engine-map.json"], partial(draw_engine_map, chapter=c))
        for c in CHAPTERS},
 }

@@ -28,6 +28,7 @@ and figure (bench/table.py, bench/plot.py).
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ FIGURES = ["completed", "failed", "first_error", "duration_s", "output_tokens",
            "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s",
            "tpot_mean_s", "itl_p50_s", "e2e_p50_s", "e2e_p95_s",
            "peak_kv_reserved_bytes", "peak_kv_used_bytes", "kv_waste_perc",
-           "peak_running", "preemptions", "kv_room_tokens", "prefix_cache_hit_rate",
+           "peak_running", "preemptions", "kv_room_tokens", "requests_that_fit",
+           "prefix_cache_hit_rate",
            "x_ch02", "x_vllm", "x_above"]
 
 
@@ -71,6 +73,17 @@ def empty_row(entry: Entry, clients: int, status: str, error: str | None = None)
     row.update(dict.fromkeys(FIGURES))
     row["first_error"] = error
     return row
+
+
+def requests_that_fit(stats: dict, before: dict, completed: int, max_tokens: int) -> int | None:
+    """How many of this load's requests the KV cache holds at once: its
+    blocks over the blocks one request takes (its mean prompt, by /stats,
+    plus its output). Chapter 03's block is a whole region: one each."""
+    if not completed:
+        return None
+    prompt = (stats["prompt_tokens"] - before.get("prompt_tokens", 0)) / completed
+    per_request = math.ceil((prompt + max_tokens) / stats["block_size"])
+    return stats["num_blocks"] // per_request
 
 
 def row_from_summary(entry: Entry, clients: int, summary: dict,
@@ -88,6 +101,8 @@ def row_from_summary(entry: Entry, clients: int, summary: dict,
                    peak_running=stats["peak_running"],
                    preemptions=stats["num_preemptions"] - before,
                    kv_room_tokens=stats["num_blocks"] * stats["block_size"],
+                   requests_that_fit=requests_that_fit(stats, stats_before or {},
+                                                       summary["completed"], entry.max_tokens),
                    prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
     expected = (row["completed"] or 0) * entry.max_tokens
     if row["output_tokens"] is not None and row["output_tokens"] < expected:

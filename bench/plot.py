@@ -140,8 +140,9 @@ def _ladder_words(row: dict) -> str:
     words = [f"{row['output_tokens_per_s']:.1f} tok/s"]
     if row["x_above"] is not None:
         words.append(f"{row['x_above']:.2f}x the row above")
-    if "KV room" in row["moves"] and row["kv_room_tokens"] is not None:
-        words.append(f"KV room {row['kv_room_tokens']:,} tokens")
+    if "KV room" in row["moves"] and row.get("requests_that_fit") is not None:
+        words.append(f"{row['requests_that_fit']} requests fit, KV waste "
+                     f"{row['kv_waste_perc']:.1f} %")
     if "prefix" in row["moves"] and row["prefix_cache_hit_rate"] is not None:
         words.append(f"prefix-cache hits {row['prefix_cache_hit_rate']:.0%}")
     return "  " + ", ".join(words)
@@ -162,7 +163,7 @@ def draw_ladder(rows: list[dict], path: Path, title: str) -> None:
         ax.text(row["output_tokens_per_s"], y, _ladder_words(row), va="center", fontsize=8.5)
     ax.set_yticks(list(ys), [f"{r['name']}: {r['change']}" for r in ladder], fontsize=8.5)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(tps) * 1.6)
+    ax.set_xlim(0, max(tps) * 2.0)
     ax.set_xlabel("output tokens/s (higher is better): each row changes one thing "
                   "from the row above")
     _mark_failures(ax, ladder, tps)

@@ -92,7 +92,8 @@ LADDER = [
     LadderStep("03", "03", (), "the base: our forward pass, one region of max_model_len "
                "slots per request, one request at a time", "-"),
     LadderStep("04, 1 seq", "04", ("--max-num-seqs", "1"),
-               "paging alone: blocks of 16 tokens instead of one region", "KV room"),
+               "paging alone: blocks of 16 tokens instead of one region",
+               "KV room: requests that fit, KV waste"),
     LadderStep("04", "04", (), "batching: static batches of up to 64 sequences", "tok/s"),
     LadderStep("05, no prefix cache", "05", ("--no-enable-prefix-caching",),
                "continuous batching: requests join and leave at every step", "tok/s, e2e"),

@@ -79,6 +79,8 @@ LADDER_COLUMNS = [
     ("output tok/s", lambda r: _num(r["output_tokens_per_s"], "{:.1f}")),
     ("x the row above", lambda r: _num(r["x_above"], "{:.2f}x")),
     ("KV room, tokens", lambda r: _num(r["kv_room_tokens"], "{:,}")),
+    ("requests that fit", lambda r: _num(r.get("requests_that_fit"), "{}")),
+    ("KV waste", lambda r: _num(r["kv_waste_perc"], "{:.1f} %")),
     ("peak running", lambda r: _num(r["peak_running"], "{}")),
     ("prefix-cache hits", lambda r: _num(r["prefix_cache_hit_rate"], "{:.0f} %", 100)),
     ("e2e p50 s", lambda r: _num(r["e2e_p50_s"], "{:.1f}")),

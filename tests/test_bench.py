@@ -270,7 +270,7 @@ def test_levers_are_chapter_06_rows_with_their_flags():
         return bench.settings_from_args(bench.parser().parse_args(list(argv)))
     assert settings("--levers").levers == ["int8", "int4"]
     s = settings("--chapters", "05", "--levers", "int4", "tp3", "--card", "1.1")
-    levers = [e for e in presets.plan(s) if e.server_flags]
+    levers = [e for e in presets.plan(s) if e.server_flags and not e.change]  # not the ladder's
     assert [(e.name, e.chapter, e.card_gb) for e in levers] == [("08 int4", "08", 1.1),
                                                                 ("08 tp3", "08", 1.1)]
     args = measure.server_args(s, 1.1) + levers[1].server_flags
@@ -296,3 +296,11 @@ def test_llama_server_runs_the_same_prompts_through_the_gguf_chat_template(tmp_p
                 "messages": prompt_messages(i), "max_tokens": 1, "temperature": 0}).json()
             ids = apply_chat_template(tokenizer, prompt_messages(i))
             assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_requests_that_fit_are_the_blocks_over_one_requests_blocks():
+    paged = {"num_blocks": 537, "block_size": 16, "prompt_tokens": 35 * 32 + 36}
+    assert measure.requests_that_fit(paged, {"prompt_tokens": 36}, 32, 64) == 76  # 7 blocks each
+    region = {"num_blocks": 1, "block_size": 8192, "prompt_tokens": 35 * 32}
+    assert measure.requests_that_fit(region, {}, 32, 64) == 1
+    assert measure.requests_that_fit(region, {}, 0, 64) is None

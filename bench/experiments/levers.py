@@ -50,7 +50,7 @@ from bench.loadtest import prompt_messages
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.parts import assemble_engine
-from common.layers.quantization import ReferenceQuantOps
+from common.layers.quantization import QuantScheme, ReferenceQuantOps, quantize_linears
 from common.loader import (
     apply_chat_template,
     convert_embedded_model,
@@ -59,7 +59,9 @@ from common.loader import (
     pick_dtype,
 )
 from common.memory import MiB
+from common.models import quantizable_linears
 from common.sampling_params import SamplingParams
+from common.worker.worker import quant_ops_for
 
 # The quantized matmuls: PyTorch's packed CPU kernels (bfloat16 activations)
 # by default; the reference dequantizes and multiplies in float32 (slow, exact).
@@ -84,13 +86,29 @@ class Load:
     card_gb: float
 
 
+def lever_config(lever: str, load: Load) -> EngineConfig:
+    return EngineConfig(device="cpu", device_memory_gb=load.card_gb,
+                        max_num_seqs=max(load.clients, 1), enable_prefix_caching=False,
+                        **LEVERS[lever])
+
+
 def build_engine(lever: str, load: Load) -> LLMEngine:
-    flags = LEVERS[lever]
-    config = EngineConfig(device="cpu", device_memory_gb=load.card_gb,
-                          max_num_seqs=max(load.clients, 1), enable_prefix_caching=False,
-                          **flags)
-    loaded = load_model(config.model, config.dtype, config.device)  # a fresh copy each
-    return assemble_engine(config, loaded=loaded, log_interval_s=1e9, quant_ops=QUANT_OPS.get(lever))
+    """The engine as a server builds it: its own copy of the model, whose
+    plain weights it frees once packed (the card charges what it keeps)."""
+    return assemble_engine(lever_config(lever, load), log_interval_s=1e9,
+                           quant_ops=QUANT_OPS.get(lever))
+
+
+def lever_model(lever: str, load: Load):
+    """HF's model with the lever's weights (its dtype, its quantized
+    linears), for the perplexity: a copy of its own, beside no engine."""
+    config = lever_config(lever, load)
+    loaded = load_model(config.model, config.dtype, config.device)
+    if config.quantization:
+        scheme = QuantScheme(config.quantization)
+        ops = QUANT_OPS.get(lever) or quant_ops_for(torch.device(config.device))
+        quantize_linears(loaded.model, quantizable_linears(loaded.model, scheme), scheme, ops)
+    return loaded
 
 
 def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
@@ -154,13 +172,19 @@ def measure(lever: str, load: Load, prompts: list[list[int]]) -> dict:
             "output_tokens_per_s": len(prompts) * load.max_tokens / seconds,
             "seconds": seconds, "tokens": tokens,
         }
-        if engine.config.tensor_parallel_size == 1:
-            row["perplexity"] = perplexity(engine.loaded.model, engine.tokenizer)
         return row
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
             close()
+
+
+def measure_perplexity(lever: str, load: Load, row: dict) -> None:
+    """The lever's perplexity, after its engine is gone (TP's weights are
+    float32's, split: none)."""
+    if row["ranks"] == 1:
+        loaded = lever_model(lever, load)
+        row["perplexity"] = perplexity(loaded.model, loaded.tokenizer)
 
 
 def add_comparisons(rows: list[dict]) -> None:
@@ -215,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for lever in args.levers:
         print(f"[levers] {lever}: {LEVERS[lever]}", flush=True)
         rows.append(measure(lever, load, prompts))
+        measure_perplexity(lever, load, rows[-1])
         print(f"[levers]   {rows[-1]['output_tokens_per_s']:.1f} tok/s, "
               f"{rows[-1]['kv_blocks']} blocks", flush=True)
     add_comparisons(rows)

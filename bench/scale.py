@@ -22,6 +22,12 @@ output tok/s. Rows:
   it, else two vLLM servers with a core each behind the router
   (prefix-aware); skipped with the reason where `make vllm` is not done.
 
+Table 3, a replica killed: the same workload behind the prefix-aware
+router, and one of its two servers killed (SIGKILL) once every
+conversation's first turn is answered. Measured: the turns answered
+whole, those that failed, the requests the router sent to the other
+replica (retries) and the streams cut mid-way (lost mid-stream).
+
 Results: bench/results/DATE-HOST-scale.{json,md}.
 
 Left out: several machines (the router takes any URL: README), Ray (its
@@ -172,9 +178,16 @@ def stop_all(processes: list[ServerProcess]) -> None:
 
 
 def start_pair(start) -> list[ServerProcess]:
-    """Two servers started side by side (each loads the model meanwhile)."""
+    """Two servers started side by side (each loads the model meanwhile);
+    if one fails to start, the other is stopped before the error goes on."""
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(start, range(2)))
+        futures = [pool.submit(start, i) for i in range(2)]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all(started)
+        raise failed[0]
+    return started
 
 
 # ------------------------------------------------------------- the rows
@@ -245,6 +258,35 @@ def vllm_rows(work: Workload, log_dir: Path) -> list[dict]:
         stop_all(replicas)
 
 
+def failover_row(args, work: Workload, log_dir: Path) -> dict:
+    """Table 3: the workload behind the prefix-aware router; replica 1 is
+    killed once the router has served every conversation's first turn."""
+    replicas = start_pair(lambda i: chapter_server(f"failover-{i}", args.server_args, log_dir,
+                                                   cores=str(i)))
+    try:
+        front = router("prefix-aware", [r.url for r in replicas], log_dir)
+        try:
+            summary: dict = {}
+            load = threading.Thread(
+                target=lambda: summary.update(run_workload(front.url, work)))
+            load.start()
+            served = 0
+            while load.is_alive() and served < work.conversations:
+                served = sum(requests.get(front.url + "/router/stats", timeout=30)
+                             .json()["served"].values())
+                time.sleep(0.05)
+            replicas[1].process.kill()
+            load.join()
+            stats = requests.get(front.url + "/router/stats", timeout=30).json()
+            return {"row": "2 servers x 1 core, router: prefix-aware, replica 1 killed",
+                    "killed_after_served": served, "retries": stats["retries"],
+                    "lost_mid_stream": stats["lost_mid_stream"], **summary}
+        finally:
+            front.stop()
+    finally:
+        stop_all(replicas)
+
+
 # ------------------------------------------------------------- reporting
 def draw_routes(record: dict, path: Path) -> None:
     """Which replica served each turn of each conversation, one panel per
@@ -285,21 +327,24 @@ def ms(value) -> str:
 
 
 def markdown(record: dict) -> str:
+    """The run's tables (a table a run skipped is left out)."""
     m = record["machine"]
     lines = [f"# make bench-scale, {record['date']}", "",
-             f"{m['cpu']}, {m['cores']} cores, {bf16_words(m)}; `{record['command']}`", "",
-             "## The engine in the server's process or in its own", "",
-             "| engine core | clients | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | failed |",
-             "|---|---|---|---|---|---|---|"]
+             f"{m['cpu']}, {m['cores']} cores, {bf16_words(m)}; `{record['command']}`"]
+    if record["engine_core"]:
+        lines += ["", "## The engine in the server's process or in its own", "",
+                  "| engine core | clients | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms "
+                  "| failed |", "|---|---|---|---|---|---|---|"]
     for r in record["engine_core"]:
         lines.append(f"| {r['engine_core']} | {r['clients']} | {r['output_tokens_per_s']:.1f} | "
                      f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p95_s'])} | {ms(r['itl_p50_s'])} | "
                      f"{r['failed']} |")
     work = record["workload"]
-    lines += ["", f"## More engines: {work['conversations']} conversations x {work['turns']} "
-              f"turns over {work['system_prompts']} shared system prompts", "",
-              "| row | prefix-cache hit rate | TTFT p50 ms | TTFT p95 ms | tok/s | failed |",
-              "|---|---|---|---|---|---|"]
+    if record["scale_out"]:
+        lines += ["", f"## More engines: {work['conversations']} conversations x "
+                  f"{work['turns']} turns over {work['system_prompts']} shared system prompts",
+                  "", "| row | prefix-cache hit rate | TTFT p50 ms | TTFT p95 ms | tok/s | failed |",
+                  "|---|---|---|---|---|---|"]
     for r in record["scale_out"]:
         if "skipped" in r:
             lines.append(f"| {r['row']} | skipped: {r['skipped']} | | | | |")
@@ -309,6 +354,15 @@ def markdown(record: dict) -> str:
                      f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p95_s'])} | "
                      f"{r['output_tokens_per_s']:.1f} | {r['failed']} |")
     lines += [f"\n{r['row']}: {r['note']}" for r in record["scale_out"] if r.get("note")]
+    if record.get("failover"):
+        lines += ["", "## A replica killed under the same workload", "",
+                  "| row | killed after | turns | answered whole | failed | retried elsewhere "
+                  "| cut mid-stream | tok/s |", "|---|---|---|---|---|---|---|---|"]
+        for r in record["failover"]:
+            lines.append(f"| {r['row']} | {r['killed_after_served']} served | "
+                         f"{r['completed'] + r['failed']} | {r['completed']} | {r['failed']} | "
+                         f"{r['retries']} | {r['lost_mid_stream']} | "
+                         f"{r['output_tokens_per_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engine-core", action="store_true", help="table 2 only")
     p.add_argument("--skip-scale-out", action="store_true", help="table 1 only")
     p.add_argument("--skip-vllm", action="store_true", help="no real vLLM row")
+    p.add_argument("--skip-failover", action="store_true", help="no table 3")
     p.add_argument("--out", type=Path, default=RESULTS)
     args, args.server_args = p.parse_known_args(argv)
     args.cores = len(os.sched_getaffinity(0))
@@ -331,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as logs:
         record["engine_core"] = [] if args.skip_engine_core else engine_rows(args, Path(logs))
         record["scale_out"] = [] if args.skip_scale_out else workload_rows(args, work, Path(logs))
+        record["failover"] = [] if args.skip_failover else [failover_row(args, work, Path(logs))]
     if not (args.skip_vllm or args.skip_scale_out):
         record["machine"]["vllm"] = vllm_peer.installed_version()
     stem = write_results(args.out, "scale", record, markdown(record))

@@ -619,6 +619,17 @@ def draw_card_bar(ax, y: int, bar: dict, card: dict) -> None:
             else "full:\n< 1 block left", va="center", fontsize=8)
 
 
+def draw_card_limits(ax, card: dict) -> None:
+    """The engine's share of the card (dashed) and the card itself (solid)."""
+    top = ax.get_xaxis_transform()  # x in MiB, y in the axes' height
+    ax.axvline(card["budget_mib"], color="black", linestyle="--", linewidth=1)
+    ax.axvline(card["card_mib"], color="black", linewidth=1.5)
+    ax.text(card["budget_mib"] - 5, 1.01, f"the engine's {card['gpu_memory_utilization']:.0%}: "
+            f"{card['budget_mib']:.0f} MiB", transform=top, ha="right", va="bottom", fontsize=8)
+    ax.text(card["card_mib"] + 5, 1.01, f"card: {card['card_mib']:.0f} MiB", transform=top,
+            ha="left", va="bottom", fontsize=8)
+
+
 def draw_card(data: list[dict]):
     plt = pyplot()
     card = data[0]
@@ -627,13 +638,7 @@ def draw_card(data: list[dict]):
     ax.axvspan(card["budget_mib"], card["card_mib"], color="#eeeeee", zorder=0)
     for y, bar in enumerate(bars):
         draw_card_bar(ax, y, bar, card)
-    top = ax.get_xaxis_transform()  # x in MiB, y in the axes' height
-    ax.axvline(card["budget_mib"], color="black", linestyle="--", linewidth=1)
-    ax.axvline(card["card_mib"], color="black", linewidth=1.5)
-    ax.text(card["budget_mib"] - 5, 1.01, f"the engine's {card['gpu_memory_utilization']:.0%}: "
-            f"{card['budget_mib']:.0f} MiB", transform=top, ha="right", va="bottom", fontsize=8)
-    ax.text(card["card_mib"] + 5, 1.01, f"card: {card['card_mib']:.0f} MiB", transform=top,
-            ha="left", va="bottom", fontsize=8)
+    draw_card_limits(ax, card)
     ax.set_yticks(range(len(bars)), [b["label"] for b in bars])
     ax.set_ylim(len(bars) - 0.5, -0.5)
     ax.set_xlim(0, card["card_mib"] * 1.17)
@@ -675,13 +680,7 @@ def draw_card_ch02(data: list[dict]):
             fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
     ax.text(crash["allocated_mib"] - 12, 0, f"only {crash['free_mib']:.2f} MiB free:\n"
             "CUDA out of memory", ha="right", va="center", fontsize=8.5, color="#cb181d")
-    top = ax.get_xaxis_transform()
-    ax.axvline(card["budget_mib"], color="black", linestyle="--", linewidth=1)
-    ax.axvline(card["card_mib"], color="black", linewidth=1.5)
-    ax.text(card["budget_mib"] - 5, 1.01, f"the engine's {card['gpu_memory_utilization']:.0%}: "
-            f"{card['budget_mib']:.0f} MiB", transform=top, ha="right", va="bottom", fontsize=8)
-    ax.text(card["card_mib"] + 5, 1.01, f"card: {card['card_mib']:.0f} MiB", transform=top,
-            ha="left", va="bottom", fontsize=8)
+    draw_card_limits(ax, card)
     ax.set_yticks([1, 0], ["on the card", "the second\nrequest"])
     ax.set_ylim(-0.55, 1.55)
     ax.set_xlim(0, crash["allocated_mib"] + crash["request_mib"] + 40)

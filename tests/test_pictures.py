@@ -57,7 +57,8 @@ def test_a_png_without_its_data_is_reported(tmp_path: Path) -> None:
     assert pictures.stale_pictures(copy) == [
         "pictures/stray.png: no data file draws it (not in PICTURES)",
         "pictures/kv-pool-ch03.png: not drawn (make pictures)",
-        "pictures/card.png: its data file is missing: pictures/data/card.json"]
+        "pictures/card.png: its data file is missing: pictures/data/card.json",
+        "pictures/card-ch02.png: its data file is missing: pictures/data/card.json"]
 
 
 def test_drawing_twice_gives_the_same_bytes(tmp_path: Path) -> None:

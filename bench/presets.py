@@ -153,8 +153,10 @@ class Entry:
 
 def chapter_entries(chapter: str, s: Settings) -> list[Entry]:
     """Chapter 01 with its lighter load; chapter 02 on the card and a roomy
-    one; with `s.ladder`, chapters 03-06 as the ladder's rows."""
-    if s.ladder and chapter in {step.chapter for step in LADDER}:
+    one; with `s.ladder` and every chapter of the ladder in the run,
+    chapters 03-06 as the ladder's rows."""
+    ladder = {step.chapter for step in LADDER}
+    if s.ladder and chapter in ladder and ladder <= set(s.chapters):
         return ladder_entries(chapter, s)
     if chapter == "01":
         return [Entry("01", "01", card_gb=s.card_gb, clients=[s.ch01_clients], dtype=s.dtype,

@@ -31,20 +31,19 @@ def test_one_chapter_and_the_peers_leave_json_table_and_figure(tmp_path, capsys)
     assert {"cpu", "cores", "gpu", "torch", "transformers", "host"} <= set(record["machine"])
     assert record["settings"]["model"] == "tiny-llama"
     names = [row["name"] for row in record["rows"]]
-    assert names == ["05, no prefix cache", "05", "vLLM 0.32.0 float32", "vLLM 0.32.0 bfloat16",
-                     "llama.cpp f32", "hf-generate", "hf-static-batch", "hf-generate-batch"]
+    assert names == ["05", "vLLM 0.32.0 float32", "vLLM 0.32.0 bfloat16", "llama.cpp f32",
+                     "hf-generate", "hf-static-batch", "hf-generate-batch"]
     for _ in range(3):  # the bench's model is not the one vLLM and llama.cpp run
-        peer = record["rows"].pop(2)
+        peer = record["rows"].pop(1)
         assert peer["status"] == "skipped" and "embedded model only" in peer["first_error"]
     for row in record["rows"]:
         assert set(measure.FIGURES) <= set(row), row["name"]
         assert (row["completed"], row["failed"], row["output_tokens"]) == (2, 0, 8), row
         assert row["output_tokens_per_s"] > 0 and row["e2e_p95_s"] > 0
-    ch05 = record["rows"][1]
+    ch05 = record["rows"][0]
     assert ch05["peak_running"] >= 1 and 0 <= ch05["kv_waste_perc"] <= 100
-    assert ch05["x_above"] > 0 and ch05["kv_room_tokens"] > 0  # the ladder's two ch05 rows
-    assert "## The chapter ladder" in json_path.with_suffix(".md").read_text()
-    assert (tmp_path / "chapters-quick-ch05-ladder.png").stat().st_size > 10_000
+    assert ch05["kv_room_tokens"] > 0 and ch05["requests_that_fit"] > 0
+    assert "## The chapter ladder" not in json_path.with_suffix(".md").read_text()  # one chapter
     assert ch05["peak_kv_reserved_bytes"] >= ch05["peak_kv_used_bytes"] > 0
     assert record["rows"][-1]["ttft_p50_s"] is not None  # generate_batch timestamps
     written = json_path.with_suffix(".md").read_text()

@@ -6,7 +6,7 @@
 2. Chapter 05 (paged blocks, continuous batching) on the same card with
    the live view on: it prints the view's URL and waits for Enter (open
    the page on the projector first), then serves the same two clients
-   plus 30 more. Blocks fill, requests queue, join and leave, the oldest
+   plus 30 more. Blocks fill, requests queue, join and leave, the newest
    are preempted when blocks run out; every request finishes.
 3. The server stays up until Enter or Ctrl-C, so the class can pause the
    view and step back through the last steps.

@@ -17,7 +17,8 @@
 // head_dim 64 and 128 are compiled as constants (the loops unroll, q and the
 // output stay in registers); other sizes take the generic version.
 //
-// Left out: prefill (several query tokens: the PyTorch reference runs it),
+// Left out: long prefill chunks (several query tokens: common/layers/cpu_attention.py
+// sends short chunks here as decode rows, longer ones to the PyTorch reference),
 // explicit SIMD intrinsics (the compiler vectorizes the loops over head_dim),
 // splitting one long context over several threads (vLLM's "split-K").
 #include <torch/extension.h>

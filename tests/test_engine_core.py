@@ -205,6 +205,33 @@ def test_a_killed_engine_ends_the_streams_and_the_server_exits_1(start_server):
     wait_for(lambda: not os.path.exists(f"/proc/{pids[1]}"), "the other engine gone too", 30)
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie nobody reaps yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_engine_whose_api_server_is_killed_exits_at_once(start_server):
+    """Its API server SIGKILLed while the engine computes a long answer (its
+    outputs soon pile up unread): the engine process exits within seconds.
+    Before, it checked its parent only when idle, and was still computing,
+    then blocked in a send, minutes later."""
+    server = start_server("09", "--device-memory-gb", "1.1")
+    [pid] = engine_pids(server)
+    with requests.post(server.url + "/v1/completions", stream=True, timeout=120, json={
+            "model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}) as answer:
+        lines = answer.iter_lines()
+        for _ in range(5):
+            next(lines)  # the engine is computing
+        server.process.kill()
+        server.process.wait(30)
+    wait_for(lambda: gone(pid), "the orphaned engine gone", timeout=15)
+
+
 def test_an_engine_that_cannot_be_built_is_a_usage_error():
     started = subprocess.run(
         [sys.executable, str(ROOT / "09-scale-out" / "server.py"), "--dtype", "float32",

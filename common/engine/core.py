@@ -31,7 +31,9 @@ What is sent first: READY with what the front needs to know once (the
 admission rules, the sizes), or FAILED with the error if the engine could
 not be built (a flag that does not fit the model). If the loop dies, DEAD
 with the error, then the process exits 1. If it is killed, nothing is
-sent: the client notices the process is gone (core_client.py).
+sent: the client notices the process is gone (core_client.py). If the
+API server is killed, a watcher thread ends this process within a second,
+whatever its loop is doing (`exit_with_parent`).
 
 `cpus` pins the process to some cores and sizes torch's thread pool to
 them (data parallel, `--data-parallel-size 2` on 2 cores: a core each).
@@ -46,6 +48,7 @@ import enum
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
@@ -62,7 +65,8 @@ from common.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger("llm-course")
 
-IDLE_POLL_MS = 1000  # an idle engine checks this often that its API server is alive
+IDLE_POLL_MS = 1000  # an idle engine wakes this often (to see a SHUTDOWN it missed)
+PARENT_POLL_S = 0.5  # the watcher checks this often that the API server is alive
 # The engine's figures (`/stats`, the live view) cross at most this often,
 # and once more when the engine goes idle: building them every step is
 # work the busy loop does not need.
@@ -152,7 +156,6 @@ class EngineCoreProc:
         self.frames: list[dict] = []  # the live view's step frames, not yet sent
         if watched:
             engine.enable_step_events().subscribe(self.frames.append)
-        self.parent_pid = os.getppid()
         self.shutting_down = False
         self.failed: list[tuple[str, str]] = []  # requests refused on arrival
         self.num_added = 0  # requests taken in since the last message
@@ -188,9 +191,6 @@ class EngineCoreProc:
             if not self.input_socket.poll(IDLE_POLL_MS if wait else 0):
                 if not wait:
                     return received
-                if os.getppid() != self.parent_pid:  # the API server is gone: so are we
-                    log.error("engine core %d: the API server died; exiting", self.index)
-                    self.shutting_down = True
                 continue
             wait = False  # something came: take what else is there, then step
             self.handle(decode(self.input_socket.recv()))
@@ -232,6 +232,22 @@ class EngineCoreProc:
         self.output_socket.send(encode(message))
 
 
+def exit_with_parent(index: int) -> None:
+    """A daemon thread that ends this process as soon as its API server is
+    gone (its parent pid changes), whatever the loop is doing: computing a
+    step, or blocked sending to a socket nobody reads any more. No orphan
+    keeps a core or its memory. `os._exit`: the loop cannot be asked."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        log.error("engine core %d: the API server died; exiting", index)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def pin_to(cpus: list[int] | None) -> None:
     """Run on `cpus` only, with one torch thread each."""
     if cpus:
@@ -251,6 +267,7 @@ def run_engine_core(spec: EngineCoreSpec, index: int, input_address: str,
     """The engine process's main (multiprocessing's target)."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [engine {index}] %(message)s")
+    exit_with_parent(index)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)

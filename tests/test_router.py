@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -222,3 +224,28 @@ def wait_until(condition, polls: int = 2000) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("the router never saw the change")
+
+
+def test_the_router_does_not_log_each_poll(tmp_path):
+    """Issue 49: every /stats poll was an INFO line (httpx's), 4 a second.
+    A replica that answers anything (a 404: `python -m http.server`) is
+    polled every 50 ms until it has seen 10 polls: none is a line of the
+    router's log."""
+    replica_port, router_port = free_port(), free_port()
+    replica_log = tmp_path / "replica.log"
+    with replica_log.open("w") as sink:
+        replica = subprocess.Popen([sys.executable, "-m", "http.server", str(replica_port),
+                                    "--bind", "127.0.0.1"], stdout=sink, stderr=sink)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "common.entrypoints.router", "--port", str(router_port),
+         "--replica", f"http://127.0.0.1:{replica_port}", "--poll-interval-s", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: replica_log.read_text().count("GET /stats") >= 10, polls=6000)
+    finally:
+        router.terminate()
+        output = router.communicate(timeout=30)[0]
+        replica.terminate()
+        replica.wait(30)
+    assert "over 1 replicas" in output
+    assert "HTTP Request" not in output, output[-2000:]

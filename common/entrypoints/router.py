@@ -337,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # httpx logs every request it sends at INFO: each /stats poll (several a
+    # second) and each forwarded request would be a line. Its warnings stay.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     replicas = [Replica(f"replica-{i}", url.rstrip("/")) for i, url in enumerate(args.replica)]
     router = Router(replicas, POLICIES[args.policy](args.block_size, args.prefix_blocks),
                     tokenizer_prompt_ids(args.model), args.replica_timeout_s,

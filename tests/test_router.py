@@ -249,3 +249,21 @@ def test_the_router_does_not_log_each_poll(tmp_path):
         replica.wait(30)
     assert "over 1 replicas" in output
     assert "HTTP Request" not in output, output[-2000:]
+
+
+def test_every_form_of_a_completions_prompt_routes_by_its_token_ids():
+    """Issue 49: a batched prompt of 16 or more strings reached the prefix
+    hash as strings, and the router answered 500 (a replica answers 200).
+    Each of OpenAI's four forms gives token ids; a batch, its first prompt's."""
+    from common.entrypoints.router import tokenizer_prompt_ids
+    from common.entrypoints.routing import prefix_block_hashes
+    prompt_ids = tokenizer_prompt_ids("smollm2")
+    text = "Once upon a time " * 10
+    ids = prompt_ids("/v1/completions", {"prompt": text})
+    forms = [text, ids, [text] * 20, [ids] * 20, [text, "another prompt"]]
+    for prompt in forms:
+        got = prompt_ids("/v1/completions", {"prompt": prompt})
+        assert got == ids, type(prompt)
+        assert len(prefix_block_hashes(got, 16, 4)) == 2
+    for odd in ([], [[]], 7, {"a": 1}, [True, 3]):
+        assert all(isinstance(t, int) for t in prompt_ids("/v1/completions", {"prompt": odd}))

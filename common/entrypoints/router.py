@@ -312,9 +312,22 @@ def tokenizer_prompt_ids(model: str) -> PromptIds:
     def prompt_ids(path: str, body: dict) -> list[int]:
         if path == "/v1/chat/completions":
             return apply_chat_template(tokenizer, body["messages"])
-        prompt = body["prompt"]
-        return tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        return completion_prompt_ids(tokenizer, body["prompt"])
     return prompt_ids
+
+
+def completion_prompt_ids(tokenizer, prompt) -> list[int]:
+    """A completion's prompt as token ids, for routing: a string, token ids,
+    or a batch of either (OpenAI's four forms). A batch is routed by its
+    first prompt: the whole request goes to one replica. Anything else
+    routes as no prefix; the replica answers its 400."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    if not isinstance(prompt, list):
+        return []
+    if prompt and isinstance(prompt[0], (str, list)):
+        return completion_prompt_ids(tokenizer, prompt[0])
+    return [token for token in prompt if isinstance(token, int) and not isinstance(token, bool)]
 
 
 def main(argv: list[str] | None = None) -> None:

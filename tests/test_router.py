@@ -62,6 +62,9 @@ def fake_replica(name: str, mode: dict) -> FastAPI:
     async def chat(request: Request):
         body = await request.json()
         mode["requests"] += 1
+        if body["messages"][-1]["content"] == "boom":  # this request fails, not the replica
+            return JSONResponse({"error": {"message": "boom failed", "type": "internal_error",
+                                           "param": None, "code": None}}, status_code=500)
         if mode["answer"] == "fail":
             return JSONResponse({"error": {"message": "engine dead", "type": "internal_error",
                                            "param": None, "code": None}}, status_code=500)
@@ -88,6 +91,8 @@ def fake_replica(name: str, mode: dict) -> FastAPI:
             yield f"data: {json.dumps(chunk)}\n\n"
             if cut and i == 0:
                 raise ConnectionError("the replica died")
+            while mode.get("hold") and not mode.get("go"):  # paused after each word
+                await asyncio.sleep(0.01)
         yield "data: [DONE]\n\n"
 
     return app
@@ -267,3 +272,23 @@ def test_every_form_of_a_completions_prompt_routes_by_its_token_ids():
         assert len(prefix_block_hashes(got, 16, 4)) == 2
     for odd in ([], [[]], 7, {"a": 1}, [True, 3]):
         assert all(isinstance(t, int) for t in prompt_ids("/v1/completions", {"prompt": odd}))
+
+
+def test_one_requests_5xx_cuts_nothing_else_on_its_replica(cluster):
+    """Issue 49, finding 1: a replica's 5xx to one request marked the replica
+    down, which cut every stream and request in flight on it. Now the
+    request that failed gets the replica's own answer (no other replica is
+    left to try), and the stream under way ends whole."""
+    url, modes, router = cluster(1)
+    modes[0]["hold"] = True  # the stream pauses after its first word, until "go"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(text=ask(url, stream=True).text))
+    thread.start()
+    wait_until(lambda: modes[0]["requests"] == 1)
+    failed = ask(url, content="boom")
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "boom failed"
+    assert all(replica.healthy for replica in router.replicas)
+    modes[0]["go"] = True
+    thread.join(60)
+    assert '"error"' not in result["text"] and result["text"].rstrip().endswith("[DONE]")
+    assert router.stats.lost_mid_stream == 0

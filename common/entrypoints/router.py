@@ -71,14 +71,25 @@ PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's tok
 
 
 class ReplicaFailed(Exception):
-    """The replica failed before anything reached the client: try another."""
+    """The replica failed before anything reached the client: try another.
+
+    `unreachable`: it refused or dropped the connection, or was marked down
+    meanwhile: it is down. Otherwise it answered this request a 5xx
+    (`answer`): the request failed there, the replica may be fine (one bad
+    request, an overload 503), and only the poller says it is down."""
+
+    def __init__(self, why: str, unreachable: bool = True, answer: Response | None = None):
+        super().__init__(why)
+        self.unreachable = unreachable
+        self.answer = answer
 
 
 def passed_back(status: int, content: bytes, headers: httpx.Headers) -> Response:
     """A replica's answer for the client; a 5xx: try elsewhere (step 3 above)."""
+    answer = Response(content, status_code=status, media_type=headers.get("content-type"))
     if status >= 500:
-        raise ReplicaFailed(f"answered {status}")
-    return Response(content, status_code=status, media_type=headers.get("content-type"))
+        raise ReplicaFailed(f"answered {status}", unreachable=False, answer=answer)
+    return answer
 
 
 @dataclass
@@ -167,14 +178,22 @@ class Router:
         except Exception:  # noqa: BLE001 - a bad prompt: the replica answers the 400
             prompt_ids = []
         tried: set[str] = set()
+        failed_answer: Response | None = None  # the last replica's 5xx, if every one fails
         while True:
-            replica = self.pick(prompt_ids, tried)
+            try:
+                replica = self.pick(prompt_ids, tried)
+            except APIError:
+                if failed_answer is not None:  # each replica answered it a 5xx: say so
+                    return failed_answer
+                raise
             tried.add(replica.name)
             try:
                 response = await (self.send_stream(replica, path, body) if body.get("stream")
                                   else self.send(replica, path, body))
             except ReplicaFailed as failure:
-                self.mark_down(replica, str(failure))
+                if failure.unreachable:  # a 5xx is this request's: the others go on
+                    self.mark_down(replica, str(failure))
+                failed_answer = failure.answer or failed_answer
                 self.stats.retries += 1
                 continue
             self.stats.served[replica.name] = self.stats.served.get(replica.name, 0) + 1

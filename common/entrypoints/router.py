@@ -10,12 +10,15 @@ For each `/v1/chat/completions` or `/v1/completions` request the router:
    prefix-aware policy names its first blocks; the replica tokenizes again);
 2. asks the policy (routing.py) for a replica among those up and not yet
    tried for this request;
-3. sends the request there. A replica that fails before anything reached
-   the client (connection refused or dropped, a 5xx, or marked down by
-   the poller while the request waits: a crashed or stopped process) is
-   marked down and the request goes to another one: nothing had reached
-   the client, so nothing is lost or repeated. A 4xx is passed back,
-   never retried;
+3. sends the request there. If the replica fails it before anything
+   reached the client, the request goes to another one: nothing had
+   reached the client, so nothing is lost or repeated. A refused or
+   dropped connection, or the poller marking it down while the request
+   waits (a crashed or stopped process), also marks the replica down. A
+   5xx does not: it is this request's failure (one bad request, an
+   overload 503), and the other requests on that replica go on; when
+   every replica answers it a 5xx, the client gets the last one. A 4xx
+   is passed back, never retried;
 4. passes the answer back; a stream as it comes. A replica lost in the
    middle of a stream (dropped, or marked down) ends it with an error
    event and `[DONE]`: the tokens sent cannot be taken back.

@@ -205,6 +205,39 @@ def test_a_killed_engine_ends_the_streams_and_the_server_exits_1(start_server):
     wait_for(lambda: not os.path.exists(f"/proc/{pids[1]}"), "the other engine gone too", 30)
 
 
+def test_a_dead_engine_is_noticed_while_messages_keep_coming(monkeypatch):
+    """Issue 49: the reader checked the engine processes only when no
+    message came for POLL_MS. With another engine busy, messages always
+    came, and a dead engine went unnoticed (its streams froze). A reader
+    whose socket always has a message must still check, and die of it."""
+    from common.engine import core_client
+    client = AsyncMPClient.__new__(AsyncMPClient)
+    client._closing = False
+
+    class AlwaysAMessage:
+        def poll(self, timeout_ms):
+            return True
+
+        def recv(self):
+            return b""
+
+    client._output_socket = AlwaysAMessage()
+    monkeypatch.setattr(core_client, "decode", lambda raw: {})
+    messages, died = [], threading.Event()
+    client._on_message = messages.append
+
+    def dead_engine():
+        raise core_client.EngineDeadError("engine core 0 exited with status -9")
+
+    client._check_processes = dead_engine
+    client._die = lambda exc: (setattr(client, "_closing", True), died.set())
+    reader = threading.Thread(target=client._read_outputs, daemon=True)
+    reader.start()
+    assert died.wait(30), "the dead engine was never noticed"
+    assert messages  # it was busy all along
+    client._closing = True
+
+
 def gone(pid: int) -> bool:
     """The process has exited (reaped, or a zombie nobody reaps yet)."""
     try:

@@ -49,6 +49,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -372,12 +373,17 @@ class AsyncMPClient(EngineClient):
 
     # ---------------------------------------------------- the reader thread
     def _read_outputs(self) -> None:
+        """Every engine's messages; every POLL_MS, busy or not, a check that
+        each engine process is alive (while one engine streams, a dead
+        one must not wait for a quiet moment to be noticed)."""
         try:
+            checked = time.monotonic()
             while not self._closing:
                 if self._output_socket.poll(POLL_MS):
                     self._on_message(decode(self._output_socket.recv()))
-                elif not self._closing:
+                if not self._closing and time.monotonic() - checked >= POLL_MS / 1000:
                     self._check_processes()
+                    checked = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - the front cannot go on: say so
             log.exception("the engine client's reader died")
             self._die(exc)

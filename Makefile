@@ -125,9 +125,12 @@ POLICY      ?= prefix-aware
 
 # The head listens on every interface: ray-up makes the cluster's token once
 # (~/.ray/auth_token) and turns Ray's token authentication on.
+# The cluster takes token authentication; every driver that joins it (ray-serve)
+# must say so too, or Ray refuses it (InvalidAuthToken).
+RAY_AUTH = RAY_AUTH_MODE=token
 ray-up: $(STAMP) ## RAY_CPUS=2 RAY_HEAD_IP=<LAN address>: start a Ray cluster's head on this machine (ray start --head, port 6379)
 	$(RAY) get-auth-token --generate > /dev/null
-	RAY_AUTH_MODE=token $(RAY) start --head --port 6379 --num-cpus $(RAY_CPUS) \
+	$(RAY_AUTH) $(RAY) start --head --port 6379 --num-cpus $(RAY_CPUS) \
 	  --include-dashboard false --disable-usage-stats $(if $(RAY_HEAD_IP),--node-ip-address $(RAY_HEAD_IP))
 
 ray-down: ## stop the Ray cluster on this machine (ray stop)
@@ -136,7 +139,7 @@ ray-down: ## stop the Ray cluster on this machine (ray stop)
 ray-serve: CH = 09
 ray-serve: PORT = 8100
 ray-serve: $(STAMP) ## REPLICAS=2 POLICY=prefix-aware PORT=8100 CH=09 DTYPE=float32 CARD=1.1: the replicas as Ray actors (make ray-up first), the router on PORT
-	$(PY) -m common.entrypoints.ray_replicas --address auto --replicas $(REPLICAS) --chapter $(CH) \
+	$(RAY_AUTH) $(PY) -m common.entrypoints.ray_replicas --address auto --replicas $(REPLICAS) --chapter $(CH) \
 	  --policy $(POLICY) --router-port $(PORT) --dtype $(DTYPE) $(call given,CARD,--device-memory-gb)
 
 bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)

@@ -174,3 +174,15 @@ def test_sigterm_stops_the_router_the_actors_and_their_servers(deployment):
     for name in ("replica-0", "replica-1"):
         with pytest.raises(ValueError):
             replica(name)
+
+
+def test_ray_serve_joins_the_cluster_with_the_auth_mode_ray_up_starts_it_with():
+    """Issue 49: `make ray-up` starts the cluster with token authentication,
+    and `make ray-serve` did not say so: Ray refused it (InvalidAuthToken)."""
+    def recipe(target: str) -> str:
+        return subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+    up = next(line for line in recipe("ray-up").splitlines() if " start --head" in line)
+    serve = next(line for line in recipe("ray-serve").splitlines() if "ray_replicas" in line)
+    mode = up.split()[0]
+    assert mode.startswith("RAY_AUTH_MODE=") and serve.split()[0] == mode

@@ -86,6 +86,25 @@ def test_figures_of_several_engines_add_up():
     assert combined["iteration_tokens"] == {"bounds": [1, 8], "counts": [7, 1]}
 
 
+def test_data_parallel_engines_draw_unseeded_requests_apart(tiny_llama):
+    """Issue 49's kind of silence: every engine started its seed counter at
+    the same place, so request k of engine 0 and request k of engine 1
+    sampled the same stream (two clients, one prompt, temperature 1: the
+    same answer). Each rank now has seeds of its own; one rank stays
+    reproducible."""
+    from common.engine.parts import assemble_engine
+    from tests.engine_helpers import run_all
+
+    def sample(rank: int) -> list[int]:
+        engine = assemble_engine(EngineConfig(device_memory_gb=2.0), loaded=tiny_llama,
+                                 num_blocks=32, data_parallel_rank=rank)
+        params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+        return run_all(engine, {"r": [1, 2, 3, 4]}, params)["r"].token_ids
+
+    assert sample(0) == sample(0)
+    assert sample(1) != sample(0)
+
+
 # ------------------------------------------------- two engine processes
 @pytest.fixture(scope="module")
 def mp_engine():

@@ -67,12 +67,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, worker: Worker,
                  scheduler: Scheduler, output_processor: OutputProcessor,
                  stats_collector: StatsCollector, structured_output=None, tp_workers=None,
-                 step_events_cls: type[StepEvents] = StepEvents):
+                 step_events_cls: type[StepEvents] = StepEvents, data_parallel_rank: int = 0):
         """The parts, built (common/engine/parts.py: `assemble_engine`).
         `structured_output` (ch07): the grammar step, already among the
         model runner's logits processors; the engine compiles each
         request's grammar with it. `tp_workers` (ch08): ranks 1..N-1.
-        `step_events_cls`: what `enable_step_events` adds, when watched."""
+        `step_events_cls`: what `enable_step_events` adds, when watched.
+        `data_parallel_rank` (ch09): which engine process this is; unseeded
+        requests draw from a stream of seeds of its own."""
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -93,6 +95,7 @@ class LLMEngine:
         self.step_events: StepEvents | None = None
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self._seed_counter = config.seed
+        self.data_parallel_rank = data_parallel_rank
         self.started_at = time.time()
 
     def enable_step_events(self) -> StepEvents:
@@ -157,8 +160,9 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         seed = params.seed
         if seed is None:  # unseeded requests still draw reproducibly per engine
-            self._seed_counter += 1
-            seed = self._seed_counter * 1_000_003
+            self._seed_counter += 1  # ch09: engine N's seeds shifted from engine 0's
+            # (within 32 bits: a CPU generator's Mersenne Twister keeps no more)
+            seed = self._seed_counter * 1_000_003 + self.data_parallel_rank * 7_919
         sampling = RequestSamplingState(  # built once: see common/layers/sampler.py
             params, prompt_token_ids, self.loaded.model.config.vocab_size,
             sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))

@@ -106,7 +106,8 @@ def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
                                                 config.enable_prefix_caching, log_interval_s)
     engine = LLMEngine(config, loaded, worker, scheduler,
                        parts.output_processor_cls(loaded.tokenizer),
-                       stats_collector, structured_output, tp_workers, parts.step_events_cls)
+                       stats_collector, structured_output, tp_workers, parts.step_events_cls,
+                       data_parallel_rank)
     watch_if_asked(engine, config, data_parallel_rank)
     return engine
 

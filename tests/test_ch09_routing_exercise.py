@@ -418,8 +418,9 @@ def fake_cluster(policy, n: int = 4) -> tuple[Router, dict[str, FakeEngine]]:
                                              "kv_cache_usage_perc": 0.0, "engine_alive": True})
         engine.requests += 1
         assert engine.requests < 1000, "the router keeps asking the same replica"
-        if engine.failing:
-            return httpx.Response(500, json={"error": {"message": "engine dead"}})
+        if engine.failing:  # what a replica whose engine died answers, before it exits
+            return httpx.Response(503, json={"error": {"message": "engine dead",
+                                                       "code": "engine_dead"}})
         prompt = json.loads(request.content)["prompt"]
         return httpx.Response(200, json={"served_by": engine.name,
                                          "cached_blocks": engine.serve(prompt)})
@@ -507,8 +508,8 @@ def test_the_router_with_your_policy_finds_every_earlier_turn_cached(impl):
 
 
 def test_the_router_retries_elsewhere_and_comes_back(impl):
-    """The replica of a conversation fails (a 500: its engine died): the
-    router marks it down and tries again, and your policy must send the
+    """The replica of a conversation fails (a 503 `engine_dead`: its engine
+    died): the router marks it down and tries again, and your policy must send the
     request, and the conversation's next turns, to one other replica, not
     back to the one that is down. Once it is up again (the router's poller
     reads its /stats), the conversation returns to it."""

@@ -14,9 +14,10 @@ For each `/v1/chat/completions` or `/v1/completions` request the router:
    reached the client, the request goes to another one: nothing had
    reached the client, so nothing is lost or repeated. A refused or
    dropped connection, or the poller marking it down while the request
-   waits (a crashed or stopped process), also marks the replica down. A
-   5xx does not: it is this request's failure (one bad request, an
-   overload 503), and the other requests on that replica go on; when
+   waits (a crashed or stopped process), also marks the replica down, and
+   so does a 503 `engine_dead`. Another 5xx does not: it is this
+   request's failure (one bad request, an overload 503), and the other
+   requests on that replica go on; when
    every replica answers it a 5xx, the client gets the last one. A 4xx
    is passed back, never retried;
 4. passes the answer back; a stream as it comes. A replica lost in the
@@ -88,11 +89,24 @@ class ReplicaFailed(Exception):
 
 
 def passed_back(status: int, content: bytes, headers: httpx.Headers) -> Response:
-    """A replica's answer for the client; a 5xx: try elsewhere (step 3 above)."""
+    """A replica's answer for the client; a 5xx: try elsewhere (step 3 above).
+    A 503 `engine_dead` says the replica itself is gone (its engine died,
+    it exits next): that one marks it down."""
     answer = Response(content, status_code=status, media_type=headers.get("content-type"))
     if status >= 500:
-        raise ReplicaFailed(f"answered {status}", unreachable=False, answer=answer)
+        raise ReplicaFailed(f"answered {status}", unreachable=engine_dead(status, content),
+                            answer=answer)
     return answer
+
+
+def engine_dead(status: int, content: bytes) -> bool:
+    """A replica's 503 whose error code is `engine_dead` (serving_engine.py)."""
+    if status != 503:
+        return False
+    try:
+        return json.loads(content)["error"]["code"] == "engine_dead"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 @dataclass

@@ -326,25 +326,32 @@ def ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def table_head(title: str, columns: list[str]) -> list[str]:
+    """A section's heading and its table's header rows."""
+    return ["", f"## {title}", "", "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns)]
+
+
 def markdown(record: dict) -> str:
     """The run's tables (a table a run skipped is left out)."""
     m = record["machine"]
     lines = [f"# make bench-scale, {record['date']}", "",
              f"{m['cpu']}, {m['cores']} cores, {bf16_words(m)}; `{record['command']}`"]
     if record["engine_core"]:
-        lines += ["", "## The engine in the server's process or in its own", "",
-                  "| engine core | clients | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms "
-                  "| failed |", "|---|---|---|---|---|---|---|"]
+        lines += table_head("The engine in the server's process or in its own",
+                            ["engine core", "clients", "tok/s", "TTFT p50 ms", "TTFT p95 ms",
+                             "ITL p50 ms", "failed"])
     for r in record["engine_core"]:
         lines.append(f"| {r['engine_core']} | {r['clients']} | {r['output_tokens_per_s']:.1f} | "
                      f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p95_s'])} | {ms(r['itl_p50_s'])} | "
                      f"{r['failed']} |")
     work = record["workload"]
     if record["scale_out"]:
-        lines += ["", f"## More engines: {work['conversations']} conversations x "
-                  f"{work['turns']} turns over {work['system_prompts']} shared system prompts",
-                  "", "| row | prefix-cache hit rate | TTFT p50 ms | TTFT p95 ms | tok/s | failed |",
-                  "|---|---|---|---|---|---|"]
+        lines += table_head(f"More engines: {work['conversations']} conversations x "
+                            f"{work['turns']} turns over {work['system_prompts']} shared "
+                            "system prompts",
+                            ["row", "prefix-cache hit rate", "TTFT p50 ms", "TTFT p95 ms",
+                             "tok/s", "failed"])
     for r in record["scale_out"]:
         if "skipped" in r:
             lines.append(f"| {r['row']} | skipped: {r['skipped']} | | | | |")
@@ -355,9 +362,9 @@ def markdown(record: dict) -> str:
                      f"{r['output_tokens_per_s']:.1f} | {r['failed']} |")
     lines += [f"\n{r['row']}: {r['note']}" for r in record["scale_out"] if r.get("note")]
     if record.get("failover"):
-        lines += ["", "## A replica killed under the same workload", "",
-                  "| row | killed after | turns | answered whole | failed | retried elsewhere "
-                  "| cut mid-stream | tok/s |", "|---|---|---|---|---|---|---|---|"]
+        lines += table_head("A replica killed under the same workload",
+                            ["row", "killed after", "turns", "answered whole", "failed",
+                             "retried elsewhere", "cut mid-stream", "tok/s"])
         for r in record["failover"]:
             lines.append(f"| {r['row']} | {r['killed_after_served']} served | "
                          f"{r['completed'] + r['failed']} | {r['completed']} | {r['failed']} | "

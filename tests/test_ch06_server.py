@@ -790,14 +790,14 @@ class LocalServer:
     it shuts down when the engine loop dies)."""
 
     def __init__(self, loaded=None, max_num_seqs: int = 64, engine=None,
-                 timeout_read: float = 30.0, **app_kw):
+                 timeout_read: float = 30.0, shutdown_timeout: float = 30.0, **app_kw):
         self.engine = engine or AsyncLLM(make_engine(loaded, num_blocks=64,
                                                            max_num_seqs=max_num_seqs))
         self.port = port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = make_server(build_app(self.engine, "local", **app_kw), "127.0.0.1", port,
                                   self.engine if engine is None else None, log_level="warning",
-                                  timeout_read=timeout_read)
+                                  timeout_read=timeout_read, shutdown_timeout=shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -1067,6 +1067,43 @@ def test_half_sent_requests_get_408_and_lose_their_socket_while_others_are_serve
             assert_408(read_until_closed(sock))
     finally:
         local.stop()
+
+
+def test_both_content_length_and_transfer_encoding_is_a_400_at_once(embedded):
+    """Issue 49: a body with both framings (Transfer-Encoding: chunked, the
+    body not chunked) waited out the read deadline for a 408. RFC 9112
+    treats that message as an error: a 400 in the envelope, at once (the
+    read deadline here is 600 s), and the connection closed."""
+    local = LocalServer(embedded, timeout_read=600.0)
+    try:
+        body = json.dumps({"messages": CHAT, "max_tokens": 2}).encode()
+        answer = read_until_closed(raw_connection(local, (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(body)) + body))
+        head, _, error = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert "Transfer-Encoding" in json.loads(error)["error"]["message"]
+        assert local_chat(local).status_code == 200  # and the server goes on
+    finally:
+        local.stop()
+
+
+def test_a_stream_left_at_the_shutdown_timeout_ends_with_an_error_event(embedded):
+    """Issue 49: the streams still running when --shutdown-timeout ran out
+    were cut with neither an error event nor `[DONE]`, as if the
+    connection had dropped. Now each ends with a 503 `server_shutdown`
+    event, then `[DONE]`, and its request is aborted."""
+    local = LocalServer(embedded, shutdown_timeout=0.5)
+    results, threads = in_threads(1, lambda: local_chat(local, max_tokens=900,
+                                                        ignore_eos=True, stream=True))
+    wait_for(lambda: local.engine.snapshot()["running"] == 1, "a running stream")
+    local.stop()
+    threads[0].join(60)
+    events = sse_events(results[0])
+    assert json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
+    assert events[-1] == "[DONE]"
+    assert len(events) < 900  # cut, not finished
+    wait_for(lambda: local.engine.snapshot()["running"] == 0, "the stream's request aborted")
 
 
 def test_sigterm_is_bounded_by_shutdown_timeout_and_exits_0(start_server, tmp_path):

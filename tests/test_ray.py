@@ -62,9 +62,9 @@ class Deployment:
     log_path: Path
 
     def health(self) -> dict[str, dict]:
-        """The router's view of each replica: {"replica-0": {"url":, "up":}}."""
+        """The router's view of each replica: {"replica-0": {"url":, "up":, "load":}}."""
         try:
-            return requests.get(f"{self.url}/health", timeout=5).json()["replicas"]
+            return requests.get(f"{self.url}/router/stats", timeout=5).json()["replicas"]
         except (requests.RequestException, ValueError):
             return {}
 

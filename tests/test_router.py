@@ -44,14 +44,26 @@ class Served:
 
 def fake_replica(name: str, mode: dict) -> FastAPI:
     """mode["answer"]: "ok" | "fail" (500) | "hang" | "cut" (stream dropped
-    after one chunk) | "bad" (400); mode["stats"]: "ok" | "down"."""
+    after one chunk) | "bad" (400) | "until-hang-up" (answers nothing
+    until the client leaves: mode["hung_up"]); mode["stats"]: "ok" | "down";
+    mode["key"]: the replica's --api-key (every route checks it)."""
     app = FastAPI()
     mode.setdefault("answer", "ok")
     mode.setdefault("stats", "ok")
     mode["requests"] = 0
+    mode["authorization"] = []  # what each chat request carried
+
+    def key_missing(request: Request) -> JSONResponse | None:
+        if mode.get("key") and request.headers.get("authorization") != f"Bearer {mode['key']}":
+            return JSONResponse({"error": {"message": "Incorrect API key provided.",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}}, status_code=401)
+        return None
 
     @app.get("/stats")
-    async def stats():
+    async def stats(request: Request):
+        if refused := key_missing(request):
+            return refused
         if mode["answer"] == "hang":
             await asyncio.sleep(3600)
         if mode["stats"] == "down":
@@ -60,8 +72,16 @@ def fake_replica(name: str, mode: dict) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        if refused := key_missing(request):
+            return refused
         body = await request.json()
         mode["requests"] += 1
+        mode["authorization"].append(request.headers.get("authorization"))
+        if mode["answer"] == "until-hang-up":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.01)
+            mode["hung_up"] = True
+            return {}
         if body["messages"][-1]["content"] == "boom":  # this request fails, not the replica
             return JSONResponse({"error": {"message": "boom failed", "type": "internal_error",
                                            "param": None, "code": None}}, status_code=500)
@@ -108,17 +128,19 @@ def cluster():
     """start(n, policy) -> (router URL, replicas' modes, Router); all stopped after."""
     served: list[Served] = []
 
-    def start(n: int, policy=None, dead: int = 0, replica_timeout_s: float = 60.0):
+    def start(n: int, policy=None, dead: int = 0, replica_timeout_s: float = 60.0,
+              prompt_ids=char_ids, api_key: str | None = None):
         modes = [{} for _ in range(n)]
         urls = []
         for i, mode in enumerate(modes):
             replica = Served(fake_replica(f"r{i}", mode))
             served.append(replica)
             urls.append(replica.url)
+            mode["key"] = api_key
         urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]  # nothing listens
         router = Router([Replica(f"r{i}", url) for i, url in enumerate(urls)],
-                        policy or RoundRobinPolicy(), char_ids, replica_timeout_s,
-                        poll_interval_s=0.05)
+                        policy or RoundRobinPolicy(), prompt_ids, replica_timeout_s,
+                        poll_interval_s=0.05, api_key=api_key)
         front = Served(build_router_app(router))
         served.append(front)
         return front.url, modes, router
@@ -292,3 +314,152 @@ def test_one_requests_5xx_cuts_nothing_else_on_its_replica(cluster):
     thread.join(60)
     assert '"error"' not in result["text"] and result["text"].rstrip().endswith("[DONE]")
     assert router.stats.lost_mid_stream == 0
+
+
+def test_one_key_guards_the_router_and_reaches_its_replicas(cluster):
+    """Issue 49, finding 2: replicas started with --api-key answered the
+    router's polls 401, so every client got "0 of 2 up"; the router had
+    no key and forwarded no header; /health and /router/stats gave the
+    replicas' URLs to anyone. Now the key guards the router, the router
+    polls with it and forwards the client's Authorization, and only
+    /router/stats, behind the key, says where the replicas are."""
+    url, modes, router = cluster(2, api_key="sesame")
+    wait_until(lambda: all(r.healthy for r in router.replicas))
+    assert ask(url).status_code == 401
+    key = {"Authorization": "Bearer sesame"}
+    answers = [requests.post(f"{url}/v1/chat/completions", headers=key, timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}) for _ in range(2)]
+    assert {served_by(a) for a in answers} == {"r0", "r1"}
+    assert modes[0]["authorization"] == modes[1]["authorization"] == ["Bearer sesame"]
+    assert openai_client(url, api_key="sesame").models.list is not None
+    health = requests.get(f"{url}/health", timeout=10)
+    assert health.status_code == 200 and "127.0.0.1" not in health.text
+    assert health.json()["replicas"]["r0"] == {"up": True}
+    assert requests.get(f"{url}/router/stats", timeout=10).status_code == 401
+    stats = requests.get(f"{url}/router/stats", headers=key, timeout=10).json()
+    assert stats["replicas"]["r1"]["url"] == router.replicas[1].url
+
+
+def test_a_replicas_key_missing_from_the_router_is_said_in_its_log(cluster, caplog):
+    """The replicas have a key the router was not given: they are down,
+    and the log says why."""
+    url, modes, router = cluster(1)
+    modes[0]["key"] = "sesame"
+    with caplog.at_level("WARNING", logger="router"):
+        wait_until(lambda: not router.replicas[0].healthy)
+    assert "give the router the replicas' --api-key" in caplog.text
+
+
+def test_a_client_hanging_up_closes_its_request_on_the_replica(cluster):
+    """Issue 49, finding 5: a plain (not streamed) request whose client hung
+    up went on through the router: the replica generated the whole answer
+    for nobody. Now the router closes its own request, which the replica
+    sees as its client hanging up (a chapter server then aborts it)."""
+    url, modes, router = cluster(1)
+    modes[0]["answer"] = "until-hang-up"
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    import socket
+    client = socket.create_connection(("127.0.0.1", port), timeout=60)
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    wait_until(lambda: modes[0]["requests"] == 1)
+    client.close()
+    wait_until(lambda: modes[0].get("hung_up"))
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(cluster):
+    """Issue 49, finding 8: four 1 MiB bodies tokenized on the router's
+    event loop stalled /health for up to 1.5 s. Here the tokenizer waits
+    until /health has answered: on the event loop, /health could not."""
+    answered = threading.Event()
+
+    def slow_prompt_ids(path: str, body: dict) -> list[int]:
+        assert answered.wait(60), "/health did not answer while a prompt was tokenized"
+        return char_ids(path, body)
+
+    url, modes, router = cluster(1, prompt_ids=slow_prompt_ids)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(answer=ask(url)))
+    thread.start()
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    answered.set()
+    thread.join(60)
+    assert served_by(result["answer"]) == "r0"
+
+
+def test_the_router_ends_its_streams_at_its_shutdown_timeout(cluster):
+    """Issue 49, finding 8: the router now serves through the launcher
+    (launcher.py). A stream still running at --shutdown-timeout ends with
+    a 503 `server_shutdown` event and `[DONE]`, and the server stops."""
+    from common.entrypoints.launcher import make_server
+    _, modes, router = cluster(1)
+    port = free_port()
+    server = make_server(build_router_app(Router(
+        router.replicas, RoundRobinPolicy(), char_ids, poll_interval_s=0.05)),
+        "127.0.0.1", port, log_level="critical", shutdown_timeout=0.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    modes[0]["hold"] = True  # the stream pauses after its first word
+    result = {}
+    streaming = threading.Thread(target=lambda: result.update(
+        text=ask(f"http://127.0.0.1:{port}", stream=True).text))
+    streaming.start()
+    wait_until(lambda: modes[0]["requests"] == 1)
+    server.should_exit = True
+    thread.join(60)
+    streaming.join(60)
+    events = [line.removeprefix("data: ") for line in result["text"].splitlines()
+              if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["delta"]["content"] == "served "
+    assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
+    assert events[-1] == "[DONE]" and not thread.is_alive()
+
+
+def test_the_router_caps_its_connections_below_its_open_file_limit(tmp_path):
+    """Issue 49, finding 3: the router had no read deadline and no
+    connection cap. Under `ulimit -n 1024`, 1,100 idle sockets made it hang
+    and log "Too many open files" thousands of times a second. Here its
+    limit is 200 files, and 250 sockets open and send nothing: past the
+    cap (default: half the limit less a reserve, 36) each gets a 503 at
+    once, those within it a 408 at the read deadline (1 s; then the later
+    ones fill the freed places), and then the router answers /health."""
+    import resource
+    import socket
+    port = free_port()
+    log = tmp_path / "router.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "common.entrypoints.router", "--port", str(port),
+             "--replica", f"http://127.0.0.1:{free_port()}", "--timeout-read", "1"],
+            stdout=sink, stderr=sink,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)))
+    try:
+        wait_until(lambda: health_status(f"http://127.0.0.1:{port}") == 503,
+                   polls=6000)  # it is up; its one replica is not
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=60)
+                   for _ in range(250)]
+        answers = []
+        for sock in sockets:
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+            sock.close()
+            answers.append(received.split(b" ", 2)[1])
+        assert set(answers) == {b"408", b"503"}
+        assert answers[:36] == [b"408"] * 36 and answers[36] == b"503"  # the cap: 36
+        health = requests.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.json() == {"replicas": {"replica-0": {"up": False}}}
+    finally:
+        process.terminate()
+        assert process.wait(60) == 0
+    assert "Too many open files" not in log.read_text()
+
+
+def health_status(url: str) -> int | None:
+    """The status of /health, or None while nothing listens."""
+    try:
+        return requests.get(f"{url}/health", timeout=30).status_code
+    except requests.ConnectionError:
+        return None

@@ -7,6 +7,8 @@
 - `APIKeyCheck` (ch06, `--api-key`): 401 without the key, on every route
   but those vLLM leaves open;
 - `RateLimit` (ch03): a few answers a second on the monitoring routes;
+- `cancel_on_disconnect`: a request's work, cancelled if its client
+  hangs up (a non-streaming answer; a stream sees it by itself);
 - `new_app` installs all of it, and fixes the OpenAPI schema to say so.
 
 Left out: CORS, TLS (put a reverse proxy in front), per-client rate limits.
@@ -19,6 +21,8 @@ import secrets
 import time
 from urllib.parse import parse_qs
 
+from typing import Awaitable
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -29,6 +33,7 @@ from common.entrypoints.responses import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("llm-course")
 
+DISCONNECT_POLL_S = 0.25
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8192-token prompt is ~40 KB of JSON
 # What --api-key leaves open, as vLLM does: load balancers, Prometheus, the
 # docs. Every other route, `/stats` and any route added later, needs the key.
@@ -224,6 +229,23 @@ class RateLimit:
         slot = max(now, self.next_slot)  # the first free slot, reserved at once
         self.next_slot = slot + self.interval
         await asyncio.sleep(slot - now)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable):
+    """Await `work`, but cancel it if the client hangs up first: a dropped
+    non-streaming request frees its engine's blocks (or, through the
+    router, closes its connection to the replica, which does the same)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected: aborting %s", request.url.path)
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
 
 
 # -------------------------------------------------------------------- app

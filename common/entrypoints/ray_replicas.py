@@ -36,8 +36,8 @@ Nothing in the course's code changes.
 Left out: Ray Serve (its deployments, autoscaling, its proxy in place of our
 router), GPUs per actor (`num_gpus=1`: one engine per GPU), placement groups
 (a tensor-parallel replica's ranks on one node), shipping the code to the
-nodes (`runtime_env`), the replicas' `--api-key` (the router polls /stats
-without one).
+nodes (`runtime_env`). A replica's `--api-key` is the router's too: it
+guards the router and the router polls with it.
 """
 from __future__ import annotations
 
@@ -202,14 +202,16 @@ def follow_restarts(app: FastAPI, actors: list[ActorHandle], replicas: list[Repl
 def serve_router(args: argparse.Namespace, actors: list[ActorHandle], urls: list[str],
                  server_args: list[str]) -> None:
     """The chapter's router in front of the replicas, until Ctrl-C or SIGTERM.
-    It reads `--model` and `--block-size` from the servers' flags."""
+    It reads `--model`, `--block-size` and `--api-key` from the servers' flags."""
     servers = argparse.ArgumentParser(add_help=False)
     servers.add_argument("--model", default="smollm2")
     servers.add_argument("--block-size", type=int, default=16)
+    servers.add_argument("--api-key", default=None)
     flags = servers.parse_known_args(server_args)[0]
     replicas = [Replica(f"replica-{i}", url) for i, url in enumerate(urls)]
     router = Router(replicas, POLICIES[args.policy](flags.block_size, args.prefix_blocks),
-                    tokenizer_prompt_ids(flags.model), poll_interval_s=args.poll_interval_s)
+                    tokenizer_prompt_ids(flags.model), poll_interval_s=args.poll_interval_s,
+                    api_key=flags.api_key)
     app = build_router_app(router)
     follow_restarts(app, actors, replicas)
     log.info("routing %s over %s on http://%s:%d/v1", args.policy, ", ".join(urls),

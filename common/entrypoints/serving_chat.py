@@ -62,7 +62,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, [prompt], req, "messages")
         if req.stream:  # ch06
-            return event_stream(self.chat_stream(request_id, prompt, req, streams), streams)
+            return event_stream(self.chat_stream(request_id, prompt, req, streams), streams,
+                                request)
         answers = await self.answers(request, streams, req.n)
         choices = [answer.outputs[0] for answer in answers]
         return ChatCompletionResponse(

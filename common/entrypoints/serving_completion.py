@@ -58,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = self.start(request_id, prompts, req, "prompt")
         if req.stream:
             return event_stream(self.completion_stream(request_id, prompts, req, streams),
-                                streams)
+                                streams, request)
         answers = await self.answers(request, streams, req.n)
         return CompletionResponse(
             id=request_id, created=int(time.time()), model=self.model_name,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -32,7 +32,8 @@ from starlette.concurrency import run_in_threadpool
 
 from common.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from common.context_length import DEFAULT_MAX_TOKENS, ContextLengthError
-from common.entrypoints.middleware import APIError, internal_error
+from common.entrypoints.launcher import until_shutdown_deadline
+from common.entrypoints.middleware import APIError, cancel_on_disconnect, internal_error
 from common.entrypoints.request_checks import context_error
 from common.entrypoints.protocol import SamplingFields
 from common.entrypoints.responses import sse
@@ -41,7 +42,6 @@ from common.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("llm-course")
 
-DISCONNECT_POLL_S = 0.25
 RETRY_AFTER_S = 1
 MAX_LOGPROBS = 20  # top logprobs per token at most: vLLM's default --max-logprobs
 
@@ -61,32 +61,21 @@ def engine_error(exc: BaseException) -> APIError:
 
 
 # ------------------------------------------------------------- the wire
-async def cancel_on_disconnect(request: Request, work: Awaitable):
-    """Await `work`, but cancel it (aborting its engine requests) if the
-    client hangs up first: a dropped non-streaming request frees its blocks."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client disconnected: aborting %s", request.url.path)
-                raise APIError(499, "client disconnected")
-    finally:
-        task.cancel()
-
-
-def event_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+def event_stream(events: AsyncIterator[str], streams: list[RequestStream],
+                 request: Request) -> StreamingResponse:
     """SSE around an event generator (ch06): an error after the stream
-    started goes out as a `data: {"error": ...}` event; `data: [DONE]`
-    always ends it. When the client hangs up, Starlette stops iterating and
-    closes this generator, which aborts the choices that have not finished."""
+    started goes out as a `data: {"error": ...}` event (so does the server's
+    shutdown timeout, launcher.py); `data: [DONE]` always ends it. When the
+    client hangs up, Starlette stops iterating and closes this generator,
+    which aborts the choices that have not finished."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for event in events:
+            async for event in until_shutdown_deadline(request.app, events):
                 yield event
+        except APIError as exc:  # the shutdown timeout: said, not a traceback
+            log.warning("%s", exc.message)
+            yield sse(exc.body())
         except Exception as exc:  # noqa: BLE001 - the headers are already sent
             log.exception("error while streaming")
             yield sse(engine_error(exc).body())

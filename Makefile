@@ -51,7 +51,7 @@ BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: lint-pages screenshots imports figures samples pictures traces bench-spec bench-structured bench-scale bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -147,6 +147,9 @@ bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.p
 
 bench-scale: $(STAMP) ## chapter 09: engine in-process vs own process (32, 64 clients); 1 engine vs 2, the router's policies, the real vLLM on a shared-prefix multi-turn workload (~12 min)
 	$(PY) -m bench.scale
+
+bench-faults: $(STAMP) ## chapter 09's fault table: 8 faults under load behind the router, how long each takes to be seen and what the requests in flight got (~4 min)
+	$(PY) -m bench.faults
 
 bench-live-view: $(STAMP) ## the live view's cost: step time with the events off and on, served tok/s at 32 clients with one viewer and without (~5 min)
 	$(PY) -m bench.profiles.live_view_cost

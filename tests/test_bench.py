@@ -303,3 +303,23 @@ def test_requests_that_fit_are_the_blocks_over_one_requests_blocks():
     region = {"num_blocks": 1, "block_size": 8192, "prompt_tokens": 35 * 32}
     assert measure.requests_that_fit(region, {}, 32, 64) == 1
     assert measure.requests_that_fit(region, {}, 0, 64) is None
+
+
+def test_the_fault_table_counts_what_overlapped_each_fault_and_says_never():
+    """bench/faults.py's parts that need no servers: which requests a
+    fault's window counts, a condition never met within its bound, and the
+    table's row for it."""
+    from bench.faults import Load, Outcome, markdown, seconds_until
+    load = Load.__new__(Load)  # its threads aside: only the outcomes
+    load.outcomes = [Outcome(0, 1, "whole"), Outcome(2, 5, "error event"),
+                     Outcome(4, 6, "whole"), Outcome(7, 8, "HTTP 503")]
+    assert load.overlapping(3, 6.5) == {"error event": 1, "whole": 1}
+    assert seconds_until(lambda: False, bound=0.05) is None
+    assert seconds_until(lambda: True) < 1
+    record = {"date": "d", "command": "python -m bench.faults", "clients": 6, "max_tokens": 48,
+              "settle_s": 3.0, "machine": {"cpu": "cpu", "cores": 2, "cpu_bf16": []},
+              "faults": [{"fault": "replica stopped", "seen_by": "the router", "seen_s": None,
+                          "client_got": "", "other": "", "peers": "p",
+                          "load": {"whole": 2, "error event": 1}}]}
+    row = markdown(record).splitlines()[-1]
+    assert row.startswith("| replica stopped | the router | never | - | 1 error event, 2 whole")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from common.entrypoints.router import Router
 from common.entrypoints.routing import (
@@ -447,9 +448,20 @@ class Checked:
 
 
 async def send(router: Router, prompt: list[int]) -> dict:
-    answer = await router.route("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    answer = await router.route("/v1/completions", {"prompt": prompt, "max_tokens": 1},
+                                client_request())
     assert answer.status_code == 200, answer.body
     return json.loads(answer.body)
+
+
+def client_request() -> Request:
+    """A client's request as the router's routes hand it on: no headers,
+    and a client that never hangs up."""
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # no disconnect, ever
+        return {}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": [], "query_string": b""}, receive)
 
 
 def chat_workload(num_conversations: int, turns: int) -> list[list[list[int]]]:

@@ -607,7 +607,7 @@ def test_prompt_logprobs_as_vllm_sends_them(server, client, embedded):
         assert position[token]["decoded_token"] == embedded.tokenizer.decode([ids[p + 1]])
         assert sorted(e["rank"] for e in position.values())[:2] == [1, 2]
     plain = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2}).json()
-    assert "prompt_logprobs" not in plain["choices"][0]  # only when asked
+    assert plain["choices"][0]["prompt_logprobs"] is None  # null unless asked, as vLLM
     chat = post(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
         "max_tokens": 2, "echo": True, "add_generation_prompt": False,
@@ -1396,3 +1396,56 @@ def test_metrics_endpoint_of_a_served_engine(embedded, impl):
         assert 'vllm:inter_token_latency_seconds_count{model_name="local"} 6.0' in text
     finally:
         local.stop()
+
+
+def test_the_wire_items_vllm_has_as_flags_and_words(embedded):
+    """Issue 49, the wire as vLLM's own tests read it:
+    --enable-prompt-tokens-details puts the prefix cache's tokens in the
+    usage (whole and streamed); --max-logprobs moves the cap of 20;
+    out-of-vocabulary ids in logit_bias and stop_token_ids are named with
+    the vocabulary's size in vLLM's words; a whole answer carries
+    `prompt_logprobs: null`; a chat stream's finish reason rides on its last
+    delta and its chunks carry `usage` only when they have one; the cache's
+    info metric says its size in tokens."""
+    engine = AsyncLLM(make_engine(embedded, num_blocks=64, enable_prefix_caching=True))
+    local = LocalServer(engine=engine, prompt_tokens_details=True, max_logprobs=30)
+    try:
+        system = {"role": "system", "content": "You answer questions. " * 12}
+        body = {"messages": [system, *CHAT], "max_tokens": 4, "temperature": 0}
+        first = post(local, "/v1/chat/completions", body, headers={}).json()
+        again = post(local, "/v1/chat/completions", body, headers={}).json()
+        assert first["prompt_logprobs"] is None
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 16 and cached % 16 == 0  # whole blocks of the shared prompt
+        streamed = sse_events(post(local, "/v1/chat/completions", {
+            **body, "stream": True, "stream_options": {"include_usage": True}}, headers={}))
+        chunks = [json.loads(e) for e in streamed[:-1]]
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        assert all("usage" not in c for c in chunks[:-1])
+        finish = chunks[-2]["choices"][0]
+        assert finish["finish_reason"] == "length" and finish["delta"]["content"]
+        assert post(local, "/v1/completions", {"prompt": "Hi", "max_tokens": 1,
+                                                "prompt_logprobs": 25}, headers={}).ok
+        for param in ("logit_bias", "stop_token_ids"):
+            value = {"60000": 1, "5": 1} if param == "logit_bias" else [60000, 5]
+            error = post(local, "/v1/chat/completions", {**body, param: value},
+                         headers={}).json()["error"]
+            assert error["message"] == (f"token_id(s) [60000] in {param} contain out-of-vocab "
+                                        "token ids. Vocabulary size: 49152")
+            assert error["param"] == param
+        info = next(line for line in requests.get(local.url + "/metrics").text.splitlines()
+                    if line.startswith("vllm:cache_config_info{"))
+        assert 'kv_cache_size_tokens="1024"' in info  # 64 blocks of 16
+    finally:
+        local.stop()
+        engine.close()
+    plain = LocalServer(embedded)
+    try:
+        answer = post(plain, "/v1/completions", {"prompt": "Hi", "max_tokens": 1,
+                                                  "prompt_logprobs": 25}, headers={})
+        assert answer.status_code == 400 and "max allowed: 20" in answer.json()["error"]["message"]
+        usage = post(plain, "/v1/completions", {"prompt": "Hi", "max_tokens": 1},
+                     headers={}).json()["usage"]
+        assert "prompt_tokens_details" not in usage
+    finally:
+        plain.stop()

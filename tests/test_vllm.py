@@ -132,6 +132,55 @@ def test_error_statuses_match(wire):
 
 
 @needs_vllm
+def test_error_words_are_vllms(wire):
+    """Issue 49: the errors vLLM's own tests read by their words (token ids
+    out of the vocabulary, the logprobs' caps, an empty prompt) say what
+    vLLM says, its `(parameter=...)` tail aside."""
+    for name in vllm_checks.SAME_WORDS:
+        entry = wire[name]
+        assert entry["ours"]["status"] == entry["vllm"]["status"] == 400, name
+        assert (vllm_checks.error_words(entry["ours"])
+                == vllm_checks.error_words(entry["vllm"])), name
+
+
+@needs_vllm
+def test_streams_are_chunked_as_vllms(wire):
+    """Issue 49: each stream, chunk by chunk, as vLLM sends it: the role
+    chunk, a delta per token, the finish reason on the last delta (not a
+    chunk of its own), `usage` only where there is one."""
+    for name, entry in wire.items():
+        if "stream" in name and not name.startswith("error"):
+            assert (vllm_checks.stream_outline(entry["ours"]["body"])
+                    == vllm_checks.stream_outline(entry["vllm"]["body"])), name
+
+
+@needs_vllm
+def test_prompt_logprobs_and_cached_tokens_as_vllm_sends_them(wire):
+    """A whole answer says `prompt_logprobs: null` when not asked for (on
+    the chat answer, on each completion choice); with
+    --enable-prompt-tokens-details both count the prefix cache's tokens."""
+    for side in ("ours", "vllm"):
+        chat, completion = wire["chat"][side]["body"], wire["completion"][side]["body"]
+        assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None, side
+        assert completion["choices"][0]["prompt_logprobs"] is None, side
+        assert "cached_tokens" in chat["usage"]["prompt_tokens_details"], side
+
+
+@needs_vllm
+def test_cache_config_info_has_vllms_labels(ours, vllm_server):
+    """vllm:cache_config_info: our labels (kv_cache_size_tokens among them)
+    are vLLM's, and the cache's size in tokens is its blocks x block size."""
+    def labels(url: str) -> dict[str, str]:
+        line = next(line for line in requests.get(url + "/metrics", timeout=60).text
+                    .splitlines() if line.startswith("vllm:cache_config_info{"))
+        return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    mine, theirs = labels(ours.url), labels(vllm_server.url)
+    assert set(mine) <= set(theirs), set(mine) - set(theirs)
+    assert int(mine["kv_cache_size_tokens"]) == (int(mine["num_gpu_blocks"])
+                                                 * int(mine["block_size"]))
+
+
+@needs_vllm
 def test_our_metric_names_are_vllms(ours, vllm_server):
     """Chapter 06's Prometheus families all exist in vLLM under the same name."""
     theirs = vllm_checks.metric_names(vllm_server.url)

@@ -23,8 +23,8 @@ after the other or side by side:
   at a near tie (two tokens within float32 rounding) is numerics, one
   elsewhere is a bug.
 - **the wire**: the same requests (`WIRE_REQUESTS`: chat, completions,
-  streams, logprobs, `n`, `stop`, `seed`, models, tokenize, detokenize,
-  bad input) to both; `shape` reduces each answer to its fields and their
+  streams, logprobs, `n`, `stop`, `seed`, beam search, models, tokenize,
+  detokenize, bad input) to both; `shape` reduces each answer to its fields and their
   JSON types, `compare_shapes` lists what differs. Fields that only one
   side sends, always as `null`, are listed apart (`null_only`): they carry
   nothing. Every other difference must be one of `WIRE_DIFFERENCES`, each
@@ -110,7 +110,8 @@ from common.net import free_port
 # ================================================= the differential check
 MAX_TOKENS = 32  # per prompt
 # vLLM's flags for the routes WIRE_REQUESTS reads (/load, /tokenizer_info): both servers take them
-ROUTE_FLAGS = ["--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"]
+ROUTE_FLAGS = ["--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+               "--enable-prompt-tokens-details"]
 # The course's prompt set: the load test's questions under its system prompt,
 # and the same questions alone (the template then adds the model's own).
 PROMPT_SET = ([[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}]
@@ -256,6 +257,10 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Why is the sky blue?"}]}),
+    "chat stream logprobs": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 3, "stream": True,
+        "logprobs": True, "top_logprobs": 1,
+        "messages": [{"role": "user", "content": "Why is the sky blue?"}]}),
     "chat stream continuous usage": ("POST", "/v1/chat/completions", {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -270,6 +275,9 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
         "model": "smollm2", "temperature": 0, "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "prompt": "Once upon a time"}),
+    "completion beam search": ("POST", "/v1/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 6, "n": 3,
+        "use_beam_search": True, "prompt": "The capital of France is"}),
     "chat continue echo": ("POST", "/v1/chat/completions", {
         "model": "smollm2", "temperature": 0, "max_tokens": 8, "echo": True,
         "add_generation_prompt": False, "continue_final_message": True,
@@ -330,6 +338,14 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
     "error: logit_bias keys": ("POST", "/v1/chat/completions", {
         "model": "smollm2", "max_tokens": 1, "logit_bias": {"a": 1, "5": 2, "b": 1},
         "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: out-of-vocabulary logit_bias": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 1, "logit_bias": {"1000000": 1, "5": 1},
+        "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: out-of-vocabulary stop_token_ids": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 1, "stop_token_ids": [1000000, 5],
+        "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: prompt_logprobs 25": ("POST", "/v1/completions", {
+        "model": "smollm2", "max_tokens": 1, "prompt_logprobs": 25, "prompt": "Hi"}),
     "error: no route": ("GET", "/v1/nothing-here", None),
 }
 
@@ -438,6 +454,28 @@ def texts(body) -> list[str]:
     return [out[k] for k in sorted(out)]
 
 
+# The errors whose words are vLLM's (vLLM adds "(parameter=..., value=...)").
+SAME_WORDS = ["error: out-of-vocabulary prompt", "error: empty prompt",
+              "error: out-of-vocabulary logit_bias", "error: out-of-vocabulary stop_token_ids",
+              "error: top_logprobs -1", "error: prompt_logprobs -1", "error: prompt_logprobs 25",
+              "error: prompt_logprobs in a stream", "error: logprobs -2",
+              "error: logit_bias keys"]
+
+
+def error_words(answer: dict) -> str:
+    """An error's message without vLLM's `(parameter=..., value=...)` tail."""
+    return re.sub(r" \(parameter=.*\)$", "", answer["body"]["error"]["message"], flags=re.S)
+
+
+def stream_outline(events: list) -> list[tuple]:
+    """A stream, chunk by chunk, as what a client acts on: each choice's
+    delta keys, whether it finishes, whether the chunk has a usage."""
+    return [("[DONE]",) if event == "[DONE]" else
+            (tuple((sorted(c.get("delta", {"text": None})), c.get("finish_reason") is not None)
+                   for c in event["choices"]), event.get("usage") is not None)
+            for event in events]
+
+
 def metric_names(url: str) -> set[str]:
     """The `vllm:` metric families a server's /metrics exposes."""
     text = requests.get(url + "/metrics", timeout=60).text
@@ -454,6 +492,8 @@ WIRE_DIFFERENCES: dict[str, str] = {
     "chat stop: .choices[].stop_reason: vLLM only":
         "vLLM's extra (which stop string or token id ended the answer), outside "
         "OpenAI's spec; ours says `finish_reason: stop` and no more",
+    "completion beam search: .choices[].stop_reason: vLLM only":
+        "the same extra on a beam that chose EOS (its id); ours says `finish_reason: stop`",
     "error: wrong type: status: ours 400, vLLM 200":
         "ours is strict as OpenAI (`\"max_tokens\": \"8\"` is a 400 naming the field); "
         "vLLM's pydantic models coerce the string to 8",

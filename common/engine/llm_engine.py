@@ -242,6 +242,7 @@ class LLMEngine:
     def cache_config_info(self) -> dict:
         """The KV cache's settings, under vLLM's CacheConfig names."""
         return {"block_size": self.block_size, "num_gpu_blocks": self.block_manager.num_blocks,
+                "kv_cache_size_tokens": self.block_size * self.block_manager.num_blocks,
                 "enable_prefix_caching": self.config.enable_prefix_caching,
                 "cache_dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "gpu_memory_utilization": self.config.gpu_memory_utilization}

@@ -53,6 +53,7 @@ from common.entrypoints.middleware import APIKeyCheck, new_app
 from common.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from common.entrypoints.serving_chat import OpenAIServingChat
 from common.entrypoints.serving_completion import OpenAIServingCompletion
+from common.entrypoints.serving_engine import MAX_LOGPROBS
 from common.entrypoints.serving_tokenization import OpenAIServingTokenization
 from common.entrypoints.vllm_routes import add_vllm_routes
 
@@ -62,16 +63,20 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, disable_docs: bool = False,
               metrics: Metrics | None = None, chapter: str = "06",
               title: str = "Chapter 06: the OpenAI-compatible server",
-              load_tracking: bool = False, tokenizer_info: bool = False) -> FastAPI:
+              load_tracking: bool = False, tokenizer_info: bool = False,
+              max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False) -> FastAPI:
     """The OpenAI-compatible app: chapter 05's routes, streaming, and the rest.
     `chapter`: the fields of later chapters are refused (chapter 06 has no grammars).
-    `load_tracking`, `tokenizer_info`: vLLM's flags for /load and /tokenizer_info."""
+    `load_tracking`, `tokenizer_info`, `max_logprobs`, `prompt_tokens_details`:
+    vLLM's flags for /load, /tokenizer_info, the logprobs' cap and the usage's
+    cached tokens."""
     metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive,
                                  max_model_len=engine.max_model_len,
                                  cache_config=engine.cache_config_info)
     engine.add_stat_logger(metrics)  # the engine times every token, streamed or not
     core = dict(default_max_tokens=None,  # vLLM: a missing max_tokens fills the context
-                max_waiting=max_waiting, metrics=metrics)
+                max_waiting=max_waiting, metrics=metrics, max_logprobs=max_logprobs,
+                prompt_tokens_details=prompt_tokens_details)
     chat = OpenAIServingChat(engine, model_name, **core)
     completion = OpenAIServingCompletion(engine, model_name, **core)
     tokenization = OpenAIServingTokenization(engine, model_name)
@@ -121,7 +126,9 @@ def main(chapter: str, title: str,
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs, chapter=chapter, title=title,
                     load_tracking=args.enable_server_load_tracking,
-                    tokenizer_info=args.enable_tokenizer_info_endpoint)
+                    tokenizer_info=args.enable_tokenizer_info_endpoint,
+                    max_logprobs=args.max_logprobs,
+                    prompt_tokens_details=args.enable_prompt_tokens_details)
     add_live_view_if_asked(app, engine, chapter, args)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)

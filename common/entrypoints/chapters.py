@@ -51,6 +51,7 @@ FLAG_CHAPTERS: dict[str, str] = {
     "--long-prefill-token-threshold": "05", "--enforce-eager": "05",  # the scheduler
     "--api-key": "06", "--max-waiting": "06", "--disable-fastapi-docs": "06",  # the API
     "--enable-server-load-tracking": "06", "--enable-tokenizer-info-endpoint": "06",
+    "--max-logprobs": "06", "--enable-prompt-tokens-details": "06",
     "--speculative-config": "07",  # n-gram speculative decoding
     "--quantization": "08", "--tensor-parallel-size": "08",  # the levers
     "--engine-core": "09", "--data-parallel-size": "09",  # scale out
@@ -65,6 +66,7 @@ FIELD_CHAPTERS: dict[str, str] = {
     "min_tokens": "03", "stop_token_ids": "03", "logprobs": "03", "top_logprobs": "03",
     "return_token_ids": "03",
     "stream": "06", "stream_options": "06",  # server-sent events
+    "use_beam_search": "06", "length_penalty": "06",  # beam search at the front
     "response_format": "07", "structured_outputs": "07",  # grammars
 }
 
@@ -87,7 +89,7 @@ CHAPTER_SUMMARY: dict[str, tuple[str, str, str]] = {
            "scheduling at every step, chunked prefill, preemption by recompute, the offline `LLM`",
            "make serve CH=05 CARD=1.1"),
     "06": ("the OpenAI server",
-           "the whole API (streaming, `/v1/completions`), errors, `--api-key`, metrics, fairness",
+           "the whole API (streaming, `/v1/completions`, beam search), errors, `--api-key`, metrics, fairness",
            "make serve CH=06"),
     "07": ("structured and speculative",
            "structured outputs (xgrammar) and n-gram speculative decoding with the rejection sampler",
@@ -145,7 +147,7 @@ MODULE_CHAPTERS: dict[str, str] = {
     "common.entrypoints.llm": "05",
     # 06: the OpenAI server
     "common.entrypoints.api_server": "06", "common.entrypoints.metrics": "06",
-    "common.entrypoints.serving_completion": "06",
+    "common.entrypoints.serving_completion": "06", "common.entrypoints.beam_search": "06",
     "common.entrypoints.serving_tokenization": "06", "common.entrypoints.vllm_routes": "06",
     # 07: structured outputs and speculative decoding
     "common.structured_output": "07", "common.structured_output.manager": "07",

@@ -70,6 +70,12 @@ def api_server_parser(description: str = "Chapter 06: the OpenAI-compatible serv
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="GET /tokenizer_info: the tokenizer's settings and chat template "
                         "(vLLM's flag)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="top logprobs per token a request may ask for, sampled or of "
+                        "the prompt; -1: the whole vocabulary (vLLM's flag)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
+                        "prefix cache held (vLLM's flag)")
     if chapter >= "09":
         add_scale_out_args(p)
     return p

@@ -14,11 +14,15 @@ may be strings, token id lists, or (with `LLM.chat`) chat message lists.
 Each answer is the engine's own final `RequestOutput` (common/outputs.py,
 vLLM's shape), with the prompt's text added.
 
-Left out: LoRA requests, pooling/embedding models, beam search.
+`LLM.beam_search` (ch06) runs beam_search.py's search over this engine:
+each step's beams of every prompt go through `generate` together.
+
+Left out: LoRA requests, pooling/embedding models.
 """
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -28,6 +32,9 @@ from common.entrypoints.chapters import chapter_server, refuse_later_engine_args
 from common.loader import LoadedModel, apply_chat_template
 from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # chapter 06's, imported when used: chapter 05 runs without it
+    from common.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
 
 class LLM:
@@ -80,6 +87,27 @@ class LLM:
                         bar.update(1)
         return [replace(finished[rid], prompt=prompt if isinstance(prompt, str) else None)
                 for rid, prompt in zip(ids, prompts)]
+
+    def beam_search(self, prompts: list[str | list[int]],
+                    params: "BeamSearchParams") -> list["BeamSearchOutput"]:
+        """vLLM's `LLM.beam_search(prompts, BeamSearchParams(...))`: each
+        prompt's best beams (`BeamSearchOutput`, best first)."""
+        from common.entrypoints.beam_search import (BeamSearchOutput, BeamSearchSequence,
+                                                    best_beams, next_beams, step_params)
+        prompt_ids = [self._to_ids(p) for p in prompts]
+        live = [[BeamSearchSequence(ids)] for ids in prompt_ids]  # per prompt
+        done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for _ in range(params.max_tokens):
+            beams = [(k, beam) for k, beams in enumerate(live) for beam in beams]
+            if not beams:
+                break
+            outputs = self.generate([beam.tokens for _, beam in beams], step_params(params),
+                                    use_tqdm=False)
+            live = [next_beams(live[k], [o for (j, _), o in zip(beams, outputs) if j == k],
+                               params, self.tokenizer.eos_token_id, done[k])
+                    for k in range(len(prompts))]
+        return [BeamSearchOutput(best_beams(done[k], live[k], params, len(ids), self.tokenizer))
+                for k, ids in enumerate(prompt_ids)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,

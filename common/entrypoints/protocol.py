@@ -78,7 +78,8 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_token_ids: bool = False  # the prompt's and the answer's token ids, beside the text
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, this many top (-1: all)
-    use_beam_search: bool = False  # vLLM's, refused: no beam search here
+    use_beam_search: bool = False  # vLLM's: n beams (on /v1/completions; ch06)
+    length_penalty: float = 1.0  # vLLM's, for beam search: score = logprob / length ** this
     # ch07: structured outputs, OpenAI's way or vLLM's (not both)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -86,9 +87,9 @@ class SamplingFields(StrictModel):
 
     @field_validator("use_beam_search")
     @classmethod
-    def _no_beam_search(cls, value):
-        if value:
-            raise unsupported("Beam search is not supported.")
+    def _beam_search_not_streamed(cls, value, info: ValidationInfo):
+        if value and info.data.get("stream"):  # vLLM's words
+            raise unsupported("Streaming is not currently supported with beam search")
         return value
 
     @field_validator("prompt_logprobs")
@@ -193,6 +194,7 @@ REFUSED_CHAT_FIELDS = {
     "prediction": "Predicted outputs are not supported.",
     "web_search_options": "Web search is not supported.",
     "reasoning_effort": "reasoning_effort is for reasoning models; this one is not.",
+    "use_beam_search": "Beam search runs on /v1/completions only here.",
 }
 
 
@@ -217,7 +219,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     @field_validator(*REFUSED_CHAT_FIELDS)
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        if value not in (None, [], {}, "none"):  # "none": no tool call, as without tools
+        if value not in (None, [], {}, "none", False):  # "none": no tool call, as without tools
             raise unsupported(REFUSED_CHAT_FIELDS[info.field_name])
         return value
 

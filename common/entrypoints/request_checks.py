@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from common.context_length import ContextLengthError, check_context_length
 from common.entrypoints.middleware import APIError
-from common.entrypoints.responses import Usage
+from common.entrypoints.responses import PromptTokensDetails, Usage
 
 
 def check_model_name(requested: str | None, served: str) -> None:
@@ -34,7 +34,10 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
         raise context_error(exc, param) from None
 
 
-def usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
+def usage(prompts: list[list[int]], completion_tokens: int,
+          details: PromptTokensDetails | None = None) -> Usage:
+    """`details`: the prefix cache's part in the prompts, told only with
+    --enable-prompt-tokens-details (ch06)."""
     prompt_tokens = sum(len(p) for p in prompts)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)

@@ -5,11 +5,13 @@ validation: whole answers, streamed chunks (`ChatCompletionChunk`; a text
 completion's chunk is a `CompletionResponse`), logprobs in the chat and
 the text-completion shapes, usage, the model list, and OpenAI's error
 envelope `{"error": {"message", "type", "param", "code"}}` (sent by
-common/entrypoints/middleware.py). vLLM's `return_token_ids` fields and
-its `prompt_logprobs` appear on the wire only when asked for.
+common/entrypoints/middleware.py). vLLM's `return_token_ids` fields appear
+on the wire only when asked for; its `prompt_logprobs` is in every whole
+answer, null unless asked for, and never in a chunk, as vLLM sends it. A
+chunk carries `usage` only when it has one (vLLM's shape).
 
-Left out: tool calls, refusals and audio in a message, usage details
-(cached and reasoning tokens), the Responses API.
+Left out: tool calls, refusals and audio in a message, the completion's
+usage details (reasoning tokens), the Responses API.
 """
 from __future__ import annotations
 
@@ -32,10 +34,19 @@ def asked_only():
     return Field(default=None, exclude_if=lambda value: value is None)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the prefix cache held (ch04's blocks)
+    # vLLM's: prompt tokens this request added to the cache (not in a completion's stream)
+    created_cache_tokens: int | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # vLLM's --enable-prompt-tokens-details (ch06); OpenAI's field
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        default=None, exclude_if=lambda value: value is None)
 
 
 class ResponseMessage(BaseModel):
@@ -101,7 +112,12 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str = SYSTEM_FINGERPRINT
     prompt_token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids
-    prompt_logprobs: PromptLogprobs | None = asked_only()  # vLLM's (ch06; also with echo)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: null unless asked (ch06)
+
+
+def only_when_set():
+    """A chunk's `usage`: on the wire only in the chunks that carry one."""
+    return Field(default=None, exclude_if=lambda value: value is None)
 
 
 # ch06: streaming chunks and text completions.
@@ -119,7 +135,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = only_when_set()
     system_fingerprint: str = SYSTEM_FINGERPRINT
     prompt_token_ids: list[int] | None = asked_only()  # in the first chunk, with return_token_ids
 
@@ -131,24 +147,39 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChunkChoice(BaseModel):
+    """A text completion's choice in a streamed chunk."""
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = asked_only()  # vLLM's, with return_token_ids (a chunk's in a stream)
     prompt_token_ids: list[int] | None = asked_only()  # (a stream: in each choice's first chunk)
-    prompt_logprobs: PromptLogprobs | None = asked_only()  # vLLM's (never in a stream)
+
+
+class CompletionChoice(CompletionChunkChoice):
+    """A text completion's choice in a whole answer."""
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: null unless asked (never streamed)
 
 
 class CompletionResponse(BaseModel):
-    """Also the shape of each streamed chunk of `/v1/completions`."""
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+
+
+class CompletionChunk(BaseModel):
+    """A streamed chunk of `/v1/completions` (OpenAI gives it the answer's object)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = only_when_set()
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 

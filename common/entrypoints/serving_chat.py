@@ -7,8 +7,9 @@ One request, top to bottom (`create_chat_completion`):
     -> `start`: one engine request per choice (common/entrypoints/serving_engine.py)
     -> whole answers: one final output per choice -> one JSON response
     -> or (ch06, `stream: true`) SSE: a role chunk per choice, then a chunk
-       per delta as the engine makes it, a finish chunk per choice, the
-       usage chunk if asked (`stream_options.include_usage`), `[DONE]`;
+       per delta as the engine makes it (the last with the finish reason,
+       as vLLM's), the usage chunk if asked (`stream_options.include_usage`),
+       `[DONE]`;
        with vLLM's `continuous_usage_stats` too, every chunk carries its
        choice's usage so far (as vLLM counts it: that choice's tokens).
 
@@ -50,6 +51,7 @@ from common.entrypoints.request_checks import check_model_name, usage
 from common.entrypoints.serving_engine import OpenAIServing, event_stream
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
+from common.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -73,7 +75,8 @@ class OpenAIServingChat(OpenAIServing):
                                 logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None,
                                 token_ids=a.token_ids if req.return_token_ids else None)
                      for i, a in enumerate(choices)],
-            usage=usage([prompt], sum(a.num_output_tokens for a in choices)),
+            usage=usage([prompt], sum(a.num_output_tokens for a in choices),
+                        self.prompt_details([prompt], answers[:1])),
             prompt_token_ids=prompt if req.return_token_ids else None,
             # vLLM's: the prompt's logprobs (the choices share the prompt: the first's)
             prompt_logprobs=prompt_logprobs(answers[0].prompt_logprobs, self.token_text))
@@ -96,6 +99,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         include_usage, continuous_usage = req.usage_in_stream()
         generated = [0] * len(streams)  # each choice's tokens so far
+        first_choice: RequestOutput | None = None  # its cached tokens are the prompt's
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None,
                   prompt_token_ids: list[int] | None = None) -> str:
@@ -115,17 +119,19 @@ class OpenAIServingChat(OpenAIServing):
         async for i, answer in self.outputs(streams, req.n):  # each output is a delta
             out = answer.outputs[0]
             generated[i] = out.num_output_tokens
+            first_choice = answer if i == 0 else first_choice
             new_logprobs = out.logprobs if req.logprobs else []
-            if out.text or new_logprobs or (req.return_token_ids and out.token_ids):
+            # vLLM's shape: the finish reason rides on the last delta (an
+            # empty one, {}, if the last step released no text)
+            if out.text or new_logprobs or out.finished or (req.return_token_ids
+                                                            and out.token_ids):
                 yield chunk([ChunkChoice(
-                    index=i, delta={"content": out.text},
+                    index=i, delta={"content": out.text} if out.text else {},
                     logprobs=self.chat_logprobs(new_logprobs) if req.logprobs else None,
+                    finish_reason=out.finish_reason if out.finished else None,
                     token_ids=out.token_ids if req.return_token_ids else None)], so_far(i))
-            if out.finished:
-                yield chunk([ChunkChoice(index=i, delta={}, finish_reason=out.finish_reason)],
-                            so_far(i))
         if include_usage:
-            yield chunk([], usage([prompt], sum(generated)))
+            yield chunk([], usage([prompt], sum(generated), self.prompt_details([prompt], [first_choice])))
 
     def chat_logprobs(self, tokens: list[SampledToken]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> dict:

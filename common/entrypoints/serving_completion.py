@@ -23,6 +23,7 @@ Left out: `echo`, `suffix`, `best_of` > n.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -30,10 +31,13 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from common.engine.async_llm import RequestStream
-from common.entrypoints.middleware import APIError
+from common.entrypoints.beam_search import BeamSearchParams, beam_search
+from common.entrypoints.middleware import APIError, cancel_on_disconnect
 from common.entrypoints.protocol import CompletionRequest
 from common.entrypoints.responses import (
     CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionLogprobs,
     CompletionResponse,
     Usage,
@@ -55,6 +59,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await run_in_threadpool(self.completion_prompts, req)
         await self.compile_grammar(req)  # ch07: structured outputs, off the event loop
         request_id = new_id("cmpl")
+        if req.use_beam_search:  # vLLM's: the front searches, the engine steps
+            return await cancel_on_disconnect(request, self.beam_search_completion(
+                request_id, prompts, req))
         streams = self.start(request_id, prompts, req, "prompt")
         if req.stream:
             return event_stream(self.completion_stream(request_id, prompts, req, streams),
@@ -64,7 +71,33 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, created=int(time.time()), model=self.model_name,
             choices=[self.completion_choice(i, a, prompts[i // req.n], req)
                      for i, a in enumerate(answers)],
-            usage=usage(prompts, sum(a.outputs[0].num_output_tokens for a in answers)))
+            usage=usage(prompts, sum(a.outputs[0].num_output_tokens for a in answers),
+                        self.prompt_details(prompts, answers[::req.n])))
+
+    async def beam_search_completion(self, request_id: str, prompts: list[list[int]],
+                                     req: CompletionRequest) -> CompletionResponse:
+        """`use_beam_search`: `n` beams per prompt (beam_search.py); choice
+        k * n + i is prompt k's i-th best beam."""
+        searches = []
+        for k, ids in enumerate(prompts):
+            checked = self.sampling_params(req, ids, 0, "prompt")  # every rule, once
+            params = BeamSearchParams(beam_width=req.n, max_tokens=checked.max_tokens,
+                                      ignore_eos=req.ignore_eos, temperature=req.temperature,
+                                      length_penalty=req.length_penalty)
+            searches.append(beam_search(self.engine, f"{request_id}-{k}", ids, params))
+        outputs = await asyncio.gather(*searches)
+        choices, generated = [], 0
+        for k, (ids, output) in enumerate(zip(prompts, outputs)):
+            for i, beam in enumerate(output.sequences):
+                answer = beam.tokens[len(ids):]
+                generated += len(answer)
+                choices.append(CompletionChoice(
+                    index=k * req.n + i, text=beam.text, finish_reason=beam.finish_reason,
+                    token_ids=answer if req.return_token_ids else None,
+                    prompt_token_ids=ids if req.return_token_ids else None))
+        return CompletionResponse(id=request_id, created=int(time.time()),
+                                  model=self.model_name, choices=choices,
+                                  usage=usage(prompts, generated))
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """A prompt, several prompts, token ids or several lists of ids
@@ -96,10 +129,11 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         include_usage, continuous_usage = req.usage_in_stream()
         generated = [0] * len(streams)  # each choice's tokens so far
+        outputs: list[RequestOutput | None] = [None] * len(streams)  # each choice's first
 
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return sse(CompletionResponse(id=request_id, created=created,
-                                          model=self.model_name, choices=choices, usage=usage))
+        def chunk(choices: list[CompletionChunkChoice], usage: Usage | None = None) -> str:
+            return sse(CompletionChunk(id=request_id, created=created,
+                                       model=self.model_name, choices=choices, usage=usage))
 
         token_chars = [0] * len(streams)  # the text of the tokens so far, per choice (text_offset)
         first = [True] * len(streams)  # prompt_token_ids go in each choice's first chunk
@@ -107,6 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         async for i, answer in self.outputs(streams, req.n):  # each output is a delta
             out = answer.outputs[0]
             generated[i] = out.num_output_tokens
+            outputs[i] = outputs[i] or answer
             new_logprobs = out.logprobs if req.logprobs is not None else []
             if out.text or new_logprobs or out.finished or (ids and out.token_ids):
                 logprobs = (self.completion_logprobs(new_logprobs, token_chars[i])
@@ -115,15 +150,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     token_chars[i] += sum(map(len, logprobs.tokens))
                 prompt = prompts[i // req.n] if ids and first[i] else None
                 first[i] = False
-                yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason,
-                                              token_ids=out.token_ids if ids else None,
-                                              prompt_token_ids=prompt)],
+                yield chunk([CompletionChunkChoice(index=i, text=out.text, logprobs=logprobs,
+                                                   finish_reason=out.finish_reason,
+                                                   token_ids=out.token_ids if ids else None,
+                                                   prompt_token_ids=prompt)],
                             # vLLM's continuous_usage_stats: this choice's usage so far
                             usage([prompts[i // req.n]], generated[i]) if continuous_usage
                             else None)
         if include_usage:
-            yield chunk([], usage(prompts, sum(generated)))
+            yield chunk([], usage(prompts, sum(generated),
+                                  self.prompt_details(prompts, outputs[::req.n],
+                                                      with_created=False)))
 
     def completion_logprobs(self, tokens: list[SampledToken], offset: int) -> CompletionLogprobs:
         """`offset`: characters of this choice's tokens before these ones (their

@@ -36,14 +36,14 @@ from common.entrypoints.launcher import until_shutdown_deadline
 from common.entrypoints.middleware import APIError, cancel_on_disconnect, internal_error
 from common.entrypoints.request_checks import context_error
 from common.entrypoints.protocol import SamplingFields
-from common.entrypoints.responses import sse
+from common.entrypoints.responses import PromptTokensDetails, sse
 from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("llm-course")
 
 RETRY_AFTER_S = 1
-MAX_LOGPROBS = 20  # top logprobs per token at most: vLLM's default --max-logprobs
+MAX_LOGPROBS = 20  # top logprobs per token at most: vLLM's --max-logprobs default
 
 
 # ------------------------------------------------ checks every chapter shares
@@ -100,11 +100,15 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, *,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 max_waiting: int | None = None, metrics=None):
+                 max_waiting: int | None = None, metrics=None,
+                 max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False):
         """`default_max_tokens`: for a request that gives none (None: all
         that fits, as vLLM; ch06). `max_waiting`: most requests waiting for
         a slot, more get a 503 (None: no limit; ch06). `metrics`: where the
-        `n` of each finished request goes (ch06)."""
+        `n` of each finished request goes (ch06). `max_logprobs`: top
+        logprobs per token at most (vLLM's --max-logprobs).
+        `prompt_tokens_details`: the usage says how many prompt tokens the
+        prefix cache held (vLLM's --enable-prompt-tokens-details)."""
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -112,22 +116,35 @@ class OpenAIServing:
         self.default_max_tokens = default_max_tokens
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.max_logprobs = max_logprobs
+        self.prompt_tokens_details = prompt_tokens_details
 
     # -------------------------------------------------------- validation
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        """vLLM's check and words: the lowest id if negative, else the highest."""
+        """A prompt's token ids, with vLLM's check and words: the lowest id
+        if negative, else the highest."""
         if ids and (min(ids) < 0 or max(ids) >= self.engine.vocab_size):
             worst = min(ids) if min(ids) < 0 else max(ids)
             raise APIError(400, f"Token id {worst} is out of vocabulary", param=param)
         return ids
 
+    def check_sampling_token_ids(self, ids: list[int], param: str) -> None:
+        """`stop_token_ids` and `logit_bias`' keys, with vLLM's words: every
+        id out of the vocabulary, and its size."""
+        vocab_size = self.engine.vocab_size
+        if invalid := [i for i in ids if i < 0 or i >= vocab_size]:
+            raise APIError(400, f"token_id(s) {invalid} in {param} contain out-of-vocab "
+                                f"token ids. Vocabulary size: {vocab_size}", param=param)
+
     def logprobs_count(self, count: int | None, kind: str, param: str) -> int | None:
         """Top logprobs per token, `kind` "sample" (the answer's) or "prompt";
-        -1 (the vocabulary) or > 20: vLLM's 400."""
-        count = self.engine.vocab_size if count == -1 else count
-        if count is not None and count > MAX_LOGPROBS:
+        -1 (the vocabulary) or more than --max-logprobs: vLLM's 400."""
+        vocab_size = self.engine.vocab_size
+        count = vocab_size if count == -1 else count
+        cap = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if count is not None and count > cap:
             raise APIError(400, f"Requested {kind} logprobs of {count}, which is greater "
-                                f"than max allowed: {MAX_LOGPROBS}", param=param)
+                                f"than max allowed: {cap}", param=param)
         return count
 
     def sampling_params(self, req: SamplingFields, prompt_ids: list[int], sample: int,
@@ -136,8 +153,8 @@ class OpenAIServing:
         the vocabulary and the engine's rules (context length, cache size)."""
         max_tokens = req.requested_max_tokens() or self.engine.default_max_tokens(
             len(prompt_ids), cap=self.default_max_tokens)
-        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
-        self.check_token_ids(list(req.logit_bias_ids()), "logit_bias")
+        self.check_sampling_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        self.check_sampling_token_ids(list(req.logit_bias_ids()), "logit_bias")
         params = SamplingParams(
             temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k if req.top_k > 0 else -1,  # 0 and -1 both mean off, as in vLLM
@@ -254,6 +271,27 @@ class OpenAIServing:
             return await cancel_on_disconnect(request, collect())
         finally:
             close_all(streams)
+
+    def prompt_details(self, prompts: list[list[int]], first_outputs: list[RequestOutput | None],
+                       with_created: bool = True) -> PromptTokensDetails | None:
+        """vLLM's `usage.prompt_tokens_details`, with --enable-prompt-tokens-details:
+        the prompt tokens the prefix cache held (from each prompt's first
+        choice: its choices share the prompt), and those the request added
+        to it (the prompt's full blocks it did not find; none without
+        prefix caching; `with_created` False: not said, as vLLM's
+        completion streams)."""
+        if not self.prompt_tokens_details:
+            return None
+        info = self.engine.cache_config_info
+        block_size = info["block_size"] if info["enable_prefix_caching"] else None
+        cached = created = 0
+        for prompt, output in zip(prompts, first_outputs):
+            hit = output.num_cached_tokens if output is not None else 0
+            cached += hit
+            if block_size:
+                created += max(0, len(prompt) // block_size * block_size - hit)
+        return PromptTokensDetails(cached_tokens=cached,
+                                   created_cache_tokens=created if with_created else None)
 
     # ----------------------------------------------------------- tokens
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -144,6 +144,18 @@ def test_error_words_are_vllms(wire):
 
 
 @needs_vllm
+def test_validation_errors_say_what_vllms_pydantic_says(wire):
+    """A field out of bounds or missing: vLLM sends pydantic's whole error
+    list as its message, ours one line naming the field (OpenAI's way);
+    the reason itself is the same words."""
+    for name in ("error: seed too big", "error: no messages"):
+        ours = wire[name]["ours"]["body"]["error"]["message"]
+        field, _, reason = ours.partition("': ")
+        assert field.startswith("Invalid value for '") and reason, ours
+        assert reason in wire[name]["vllm"]["body"]["error"]["message"], name
+
+
+@needs_vllm
 def test_streams_are_chunked_as_vllms(wire):
     """Issue 49: each stream, chunk by chunk, as vLLM sends it: the role
     chunk, a delta per token, the finish reason on the last delta (not a

@@ -344,6 +344,9 @@ WIRE_REQUESTS: dict[str, tuple[str, str, dict | None]] = {
     "error: out-of-vocabulary stop_token_ids": ("POST", "/v1/chat/completions", {
         "model": "smollm2", "max_tokens": 1, "stop_token_ids": [1000000, 5],
         "messages": [{"role": "user", "content": "Hi"}]}),
+    "error: top_logprobs without logprobs": ("POST", "/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 1, "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "Hi"}]}),
     "error: prompt_logprobs 25": ("POST", "/v1/completions", {
         "model": "smollm2", "max_tokens": 1, "prompt_logprobs": 25, "prompt": "Hi"}),
     "error: no route": ("GET", "/v1/nothing-here", None),
@@ -459,6 +462,7 @@ SAME_WORDS = ["error: out-of-vocabulary prompt", "error: empty prompt",
               "error: out-of-vocabulary logit_bias", "error: out-of-vocabulary stop_token_ids",
               "error: top_logprobs -1", "error: prompt_logprobs -1", "error: prompt_logprobs 25",
               "error: prompt_logprobs in a stream", "error: logprobs -2",
+              "error: top_logprobs without logprobs",
               "error: logit_bias keys"]
 
 

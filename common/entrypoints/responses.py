@@ -172,15 +172,12 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
-class CompletionChunk(BaseModel):
-    """A streamed chunk of `/v1/completions` (OpenAI gives it the answer's object)."""
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
+class CompletionChunk(CompletionResponse):
+    """A streamed chunk of `/v1/completions`: the answer's fields, in the
+    same order (OpenAI gives it the answer's object), with a chunk's choices
+    and a usage only in the chunk that has one."""
     choices: list[CompletionChunkChoice]
     usage: Usage | None = only_when_set()
-    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

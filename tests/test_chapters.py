@@ -33,6 +33,7 @@ FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--long-prefill-token-threshold": ["64"], "--enforce-eager": [],
                "--api-key": ["secret"], "--max-waiting": ["4"], "--disable-fastapi-docs": [],
                "--enable-server-load-tracking": [], "--enable-tokenizer-info-endpoint": [],
+               "--max-logprobs": ["30"], "--enable-prompt-tokens-details": [],
                "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
                "--quantization": ["int8"], "--tensor-parallel-size": ["2"],
                "--live-view": [], "--record-events": ["/tmp/steps.jsonl"],
@@ -41,7 +42,7 @@ FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
 FIELD_VALUES = {"top_p": 0.5, "stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5,
                 "logit_bias": {"11": 1.0}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                 "min_tokens": 1, "stop_token_ids": [2], "logprobs": True, "top_logprobs": 2,
-                "return_token_ids": True, "stream": True,
+                "return_token_ids": True, "stream": True, "length_penalty": 1.5,
                 "stream_options": {"include_usage": True},
                 "response_format": {"type": "json_object"},
                 "structured_outputs": {"choice": ["yes", "no"]}}
@@ -76,7 +77,8 @@ def test_every_chapter_refuses_the_flags_of_later_chapters(chapter, capsys):
 
 
 API_FLAGS = ("--api-key", "--max-waiting", "--disable-fastapi-docs",
-             "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint")
+             "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+             "--max-logprobs", "--enable-prompt-tokens-details")
 
 
 @pytest.mark.parametrize("chapter", ALL)

@@ -11,7 +11,9 @@ Two chapter 09 servers (each its own engine process) behind
   and gets traffic again;
 - one replica stopped (SIGSTOP: a process that answers nothing, slowly
   forever): the poller marks it down when /stats goes unanswered for
-  `--replica-timeout-s`, and the requests waiting on it go to the other.
+  `--replica-timeout-s`, and the requests waiting on it go to the other;
+- one request's overload 503 from each replica: it fails alone, and
+  nothing in flight is cut (issue 49's cascade, gone).
 
 The counts of each run are printed (`pytest -s`) for the closing note.
 """
@@ -33,7 +35,7 @@ from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ch09
 
-REPLICA_ARGS = ["--dtype", "float32", "--device-memory-gb", "1.1"]
+REPLICA_ARGS = ["--dtype", "float32", "--device-memory-gb", "1.1", "--max-waiting", "4"]
 CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
 
@@ -93,6 +95,25 @@ def stream(url: str, max_tokens: int, first_chunk: threading.Event) -> list[dict
                 events.append(data if data == "[DONE]" else json.loads(data))
                 first_chunk.set()
     return events
+
+
+def test_an_overloaded_replicas_503_cuts_nothing_in_flight(cluster):
+    """Issue 49, finding 1, with real replicas: one request that asks for
+    more sequences than a replica lets wait (67 prompts: 64 slots, a few
+    taken, `--max-waiting 4`) gets each replica's overload 503. The streams
+    under way on both replicas finish whole, and both stay up."""
+    firsts = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, cluster.url, 100, first) for first in firsts]
+        wait_for(lambda: all(f.is_set() for f in firsts), "every stream's first chunk")
+        overload = requests.post(cluster.url + "/v1/completions", timeout=300, json={
+            "prompt": ["Hi"] * 67, "max_tokens": 4})
+        streamed = [f.result(timeout=300) for f in streams]
+    assert overload.status_code == 503, overload.text
+    assert overload.json()["error"]["code"] == "server_overloaded"
+    assert all(events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+               for events in streamed)
+    assert cluster.health() == {"replica-0": True, "replica-1": True}
 
 
 def test_a_killed_replica_loses_only_the_streams_it_was_sending(cluster):

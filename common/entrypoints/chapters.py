@@ -66,7 +66,7 @@ FIELD_CHAPTERS: dict[str, str] = {
     "min_tokens": "03", "stop_token_ids": "03", "logprobs": "03", "top_logprobs": "03",
     "return_token_ids": "03",
     "stream": "06", "stream_options": "06",  # server-sent events
-    "use_beam_search": "06", "length_penalty": "06",  # beam search at the front
+    "length_penalty": "06",  # beam search at the front (`use_beam_search`: never on chat)
     "response_format": "07", "structured_outputs": "07",  # grammars
 }
 

@@ -104,7 +104,7 @@ def test_an_overloaded_replicas_503_cuts_nothing_in_flight(cluster):
     under way on both replicas finish whole, and both stay up."""
     firsts = [threading.Event() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(stream, cluster.url, 100, first) for first in firsts]
+        streams = [pool.submit(stream, cluster.url, 32, first) for first in firsts]
         wait_for(lambda: all(f.is_set() for f in firsts), "every stream's first chunk")
         overload = requests.post(cluster.url + "/v1/completions", timeout=300, json={
             "prompt": ["Hi"] * 67, "max_tokens": 4})

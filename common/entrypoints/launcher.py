@@ -34,7 +34,8 @@ not do on its own, and a server facing clients needs:
   the engine loop died (a supervisor should restart the server).
 
 One launcher for every server: the chapters' API servers, the Ray
-replicas and chapter 09's router get the same three.
+replicas and chapter 09's router (ch09) all serve through `serve` or
+`make_server`, with all of the above.
 
 Left out: TLS, HTTP/2, several worker processes, a pre-stop drain delay
 for load balancers, evicting idle connections to make room at the cap.

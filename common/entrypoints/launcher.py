@@ -274,6 +274,12 @@ def shutdown_deadline(app: FastAPI) -> asyncio.Event:
     return app.state.shutdown_deadline
 
 
+def shutdown_error() -> APIError:
+    """What a stream still running at the shutdown timeout ends with."""
+    return APIError(503, "The server is shutting down: this stream was cut at its "
+                    "--shutdown-timeout.", "server_error", code="server_shutdown")
+
+
 async def until_shutdown_deadline(app: FastAPI, events: AsyncIterator[T]) -> AsyncIterator[T]:
     """A stream's `events` as they come, until the server's shutdown
     timeout has passed: then a 503 APIError, which the stream sends as its
@@ -287,8 +293,7 @@ async def until_shutdown_deadline(app: FastAPI, events: AsyncIterator[T]) -> Asy
             if not step.done():
                 step.cancel()
                 await asyncio.wait({step})  # the generator is left before it is closed
-                raise APIError(503, "The server is shutting down: this stream was cut at "
-                               "its --shutdown-timeout.", "server_error", code="server_shutdown")
+                raise shutdown_error()
             try:
                 event = step.result()
             except StopAsyncIteration:

@@ -19,9 +19,8 @@ import asyncio
 import logging
 import secrets
 import time
-from urllib.parse import parse_qs
-
 from typing import Awaitable
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -70,7 +70,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from common.entrypoints.launcher import add_http_args, serve, shutdown_deadline
+from common.entrypoints.launcher import add_http_args, serve, shutdown_deadline, shutdown_error
 from common.entrypoints.middleware import APIError, APIKeyCheck, cancel_on_disconnect, new_app
 from common.entrypoints.routing import (
     LeastLoadedPolicy,
@@ -86,6 +86,11 @@ log = logging.getLogger("router")
 
 PromptIds = Callable[[str, dict], list[int]]  # (path, body) -> the prompt's token ids
 FORWARDED_HEADERS = ("authorization", "x-request-id")  # the client's, sent on to the replica
+
+
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """The client's headers that go on to the replica."""
+    return {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name))}
 
 
 class ReplicaFailed(Exception):
@@ -202,7 +207,7 @@ class Router:
         finally:  # also when this request is cancelled: its client hung up
             watch.cancel()
             task.cancel()
-        if not task.done() or task.cancelled():
+        if not task.done():
             raise ReplicaFailed("marked down while the request waited")
         return task.result()
 
@@ -222,7 +227,7 @@ class Router:
             prompt_ids = await run_in_threadpool(self.prompt_ids, path, body)
         except Exception:  # noqa: BLE001 - a bad prompt: the replica answers the 400
             prompt_ids = []
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = forwarded_headers(request)
         tried: set[str] = set()
         failed_answer: Response | None = None  # the last replica's 5xx, if every one fails
         while True:
@@ -295,9 +300,7 @@ class Router:
                 yield chunk
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if shutdown_deadline(app).is_set():  # closed by the router's own shutdown
-                yield error_event(APIError(503, "The router is shutting down: this stream "
-                                                "was cut at its --shutdown-timeout.",
-                                           "server_error", code="server_shutdown"))
+                yield error_event(shutdown_error())
                 return
             self.mark_down(replica, f"lost mid-stream: {type(exc).__name__}")
             self.stats.lost_mid_stream += 1
@@ -361,7 +364,7 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = forwarded_headers(request)
         for replica in (r for r in router.replicas if r.healthy):
             with contextlib.suppress(httpx.HTTPError):
                 answer = await router.client.get(f"{replica.url}/v1/models", headers=headers,

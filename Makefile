@@ -26,7 +26,7 @@ RECORD      ?=
 
 # `make bench` knobs (bench/bench.py): an empty one keeps the preset's value.
 # QUICK=1 (2 min) PEERS=1 (+ the real vLLM, llama.cpp, transformers;
-# PEERS=vllm: only vLLM, float32 and bfloat16, + chapter 06 in bfloat16;
+# PEERS=vllm: chapter 06 against the real vLLM, alternated: make bench-vs-vllm;
 # PEERS=llama-cpp: only llama.cpp) LLAMACPP_DTYPE=bf16 URL=http://host:port (+ a running server;
 # URL_NAME=its row) CHAPTERS="02 05" (CHAPTERS=none: none) BENCH_CARD=1.1
 # ROOMY_CARD=16 (chapter 02's second row) DEADLINE=300 (s per load); LEVERS=1
@@ -43,15 +43,26 @@ BENCH_CARD  ?=
 ROOMY_CARD  ?=
 DEADLINE    ?=
 given        = $(if $(filter command% environment%,$(origin $(1))),$(2) $($(1)))
-BENCH_ARGS   = $(if $(PEERS),--peers $(filter-out 1,$(PEERS))) \
-  $(if $(LEVERS),--levers $(filter-out 1,$(LEVERS))) \
+peer_args    = $(if $(1),--peers $(filter-out 1,$(1)))
+BENCH_ARGS   = $(call peer_args,$(PEERS)) $(OTHER_BENCH_ARGS)
+OTHER_BENCH_ARGS = $(if $(LEVERS),--levers $(filter-out 1,$(LEVERS))) \
   $(if $(URL),--url $(URL)) $(if $(URL_NAME),--url-name $(URL_NAME)) \
   $(if $(LLAMACPP_DTYPE),--llamacpp-dtype $(LLAMACPP_DTYPE)) $(if $(CHAPTERS),--chapters $(CHAPTERS)) \
   $(if $(BENCH_CARD),--card $(BENCH_CARD)) $(if $(ROOMY_CARD),--roomy-card $(ROOMY_CARD)) \
   $(if $(DEADLINE),--deadline $(DEADLINE)) $(call given,CLIENTS,--clients) \
   $(call given,REQUESTS,--requests) $(call given,MAX_TOKENS,--max-tokens)
 
-.PHONY: lint-pages screenshots imports figures samples pictures traces bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
+# `make bench-vs-vllm` knobs (bench/vs_vllm.py), also read by `make bench PEERS=vllm`:
+# LOADS="chat-32 long" (of chat-32 chat-64 long shared-prefix multi-turn)
+# DTYPES=float32 ALTERNATIONS=3 (pairs of runs) DURATION=30 (s per run); empty: all, 3, 30.
+LOADS       ?=
+DTYPES      ?=
+ALTERNATIONS ?=
+DURATION    ?=
+VS_VLLM_ARGS = $(if $(LOADS),--loads $(LOADS)) $(if $(DTYPES),--dtypes $(DTYPES)) \
+  $(if $(ALTERNATIONS),--alternations $(ALTERNATIONS)) $(if $(DURATION),--duration $(DURATION))
+
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -142,8 +153,12 @@ ray-serve: $(STAMP) ## REPLICAS=2 POLICY=prefix-aware PORT=8100 CH=09 DTYPE=floa
 	$(RAY_AUTH) $(PY) -m common.entrypoints.ray_replicas --address auto --replicas $(REPLICAS) --chapter $(CH) \
 	  --policy $(POLICY) --router-port $(PORT) --dtype $(DTYPE) $(call given,CARD,--device-memory-gb)
 
-bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...)
-	$(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS)
+# PEERS naming vllm: the other peers (if any) as before, then the alternated comparison.
+bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...; PEERS=vllm: make bench-vs-vllm)
+	$(if $(filter vllm,$(PEERS)),$(if $(filter-out vllm,$(PEERS)),$(PY) -m bench.bench \
+	  --preset $(if $(QUICK),quick,default) $(call peer_args,$(filter-out vllm,$(PEERS))) \
+	  $(OTHER_BENCH_ARGS) && )$(PY) -m bench.vs_vllm $(VS_VLLM_ARGS),\
+	  $(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS))
 
 bench-scale: $(STAMP) ## chapter 09: engine in-process vs own process (32, 64 clients); 1 engine vs 2, the router's policies, the real vLLM on a shared-prefix multi-turn workload (~12 min)
 	$(PY) -m bench.scale
@@ -235,6 +250,9 @@ vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_
 
 watch-vllm: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000: the real vLLM with --kv-events-config, and the live view of its prefix cache on PORT+1
 	$(PY) -m bench.peers.watch_vllm --port $(PORT) --dtype $(DTYPE)
+
+bench-vs-vllm: $(STAMP) $(VLLM_VENV)/.installed ## LOADS="chat-32 long" DTYPES=float32 ALTERNATIONS=3 DURATION=30: chapter 06 against the real vLLM, both up, runs alternated, 5 seeded loads, float32 and bfloat16 (~70 min)
+	$(PY) -m bench.vs_vllm $(VS_VLLM_ARGS)
 
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire)
 	$(PY) -m pytest -m vllm

@@ -16,6 +16,12 @@ streaming only), TPOT (time per output token after the first), ITL (gap
 between streamed chunks), e2e latency, output tokens/s = all completion
 tokens / wall time of the run.
 
+Two ways to end a run, on the same clients (`drive_clients`): after R
+requests per client (`run_load`, this command), or after a duration
+(`run_for_duration`: each client sends its next request until the
+duration has passed, then stops; the answers in flight are waited for and
+counted, as vLLM's benchmark counts them; bench/vs_vllm.py).
+
 Left out: open-loop arrivals at a fixed request rate (clients here are
 closed-loop: each waits for its answer before sending the next).
 """
@@ -34,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import requests
 
@@ -186,7 +192,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "requests_per_s": len(good) / wall if wall > 0 else 0.0,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
         "tpot_mean_s": statistics.fmean(tpots) if tpots else None,
-        "itl_p50_s": percentile(itls, 50),
+        "itl_p50_s": percentile(itls, 50), "itl_p95_s": percentile(itls, 95),
         "e2e_p50_s": percentile(e2es, 50), "e2e_p95_s": percentile(e2es, 95),
     }
 
@@ -220,34 +226,66 @@ def served_model(url: str) -> str | None:
         return None
 
 
+def drive_clients(clients: int, send: Callable[[int, int], RequestResult],
+                  go_on: Callable[[int, float], bool],
+                  clock: Callable[[], float] = time.perf_counter,
+                  progress=None) -> tuple[list[RequestResult], float]:
+    """Every client at once, each sending its requests one after another:
+    client c sends request r (`send(c, r)`, r = 0, 1, ...) while
+    `go_on(r, seconds since the start)` says so. Returns the results and
+    the wall time, from the start to the last answer."""
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+    start = clock()
+
+    def client(c: int) -> None:
+        r = 0
+        while go_on(r, clock() - start):
+            result = send(c, r)
+            with lock:
+                results.append(result)
+            if progress is not None:
+                progress.update(1)
+            r += 1
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(client, range(clients)))
+    return results, clock() - start
+
+
 def run_load(base_url: str, clients: int, requests_per_client: int, max_tokens: int,
              stream: bool = False, timeout: float = 600.0, deadline: float = 1800.0,
              model: str | None = None, progress=None, ignore_eos: bool = True) -> dict:
     """Run the load; returns the summary dict (plus the server's /stats)."""
     stop_at = time.monotonic() + deadline
-    results: list[RequestResult] = []
-    lock = threading.Lock()
 
-    def client(c: int) -> None:
-        for r in range(requests_per_client):
-            remaining = stop_at - time.monotonic()
-            if remaining <= 0:
-                result = RequestResult(False, "load test deadline reached")
-            else:
-                result = send_one(base_url, c * requests_per_client + r, max_tokens,
-                                  stream, min(timeout, remaining), model, ignore_eos)
-            with lock:
-                results.append(result)
-            if progress is not None:
-                progress.update(1)
+    def send(c: int, r: int) -> RequestResult:
+        remaining = stop_at - time.monotonic()
+        if remaining <= 0:
+            return RequestResult(False, "load test deadline reached")
+        return send_one(base_url, c * requests_per_client + r, max_tokens, stream,
+                        min(timeout, remaining), model, ignore_eos)
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=clients) as pool:
-        list(pool.map(client, range(clients)))
-    summary = summarize(results, time.perf_counter() - start)
+    results, wall = drive_clients(clients, send, lambda r, _: r < requests_per_client,
+                                  progress=progress)
+    summary = summarize(results, wall)
     summary["server_stats"] = fetch_stats(base_url)
     summary["load"] = {"clients": clients, "requests_per_client": requests_per_client,
                        "max_tokens": max_tokens, "stream": stream}
+    return summary
+
+
+def run_for_duration(send: Callable[[int, int], RequestResult], clients: int,
+                     duration_s: float = 30.0, clock: Callable[[], float] = time.perf_counter,
+                     progress=None) -> dict:
+    """Steady state: each client sends its next request (`send(c, r)`)
+    until `duration_s` has passed since the start, then stops sending; the
+    answers in flight are waited for and counted. Output tokens/s = tokens /
+    wall time of the run (vLLM's definition). `clock`: the tests' own."""
+    results, wall = drive_clients(clients, send, lambda _, elapsed: elapsed < duration_s,
+                                  clock, progress)
+    summary = summarize(results, wall)
+    summary["load"] = {"clients": clients, "steady_s": duration_s}
     return summary
 
 
@@ -349,6 +387,8 @@ def format_table(summary: dict) -> str:
         ("TTFT p50 / p95", f"{_fmt(summary['ttft_p50_s'], ' s')} / "
                            f"{_fmt(summary['ttft_p95_s'], ' s')}"),
         ("TPOT mean", _fmt(summary["tpot_mean_s"], " ms", 1000)),
+        ("ITL p50 / p95", f"{_fmt(summary['itl_p50_s'], ' ms', 1000)} / "
+                          f"{_fmt(summary['itl_p95_s'], ' ms', 1000)}"),
         ("e2e p50 / p95", f"{_fmt(summary['e2e_p50_s'], ' s')} / "
                           f"{_fmt(summary['e2e_p95_s'], ' s')}"),
     ]

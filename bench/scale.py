@@ -132,15 +132,22 @@ def run_workload(url: str, work: Workload) -> dict:
     return {**summarize(results, time.perf_counter() - start), "routes": routes}
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """(hits, queries) in tokens, summed over every engine's samples."""
+def counter_totals(url: str, names: list[str]) -> dict[str, float]:
+    """Each Prometheus counter of the server's `/metrics` (vLLM's names, as
+    `vllm:num_preemptions`), summed over every engine's samples."""
     text = requests.get(url + "/metrics", timeout=30).text
     total = {}
-    for name in ("hits", "queries"):
-        samples = re.findall(rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$", text,
+    for name in names:
+        samples = re.findall(rf"^{re.escape(name)}_total(?:{{[^}}]*}})? (\S+)$", text,
                              re.MULTILINE)
         total[name] = sum(float(v) for v in samples)
-    return total["hits"], total["queries"]
+    return total
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    """(hits, queries) in tokens, summed over every engine's samples."""
+    total = counter_totals(url, ["vllm:prefix_cache_hits", "vllm:prefix_cache_queries"])
+    return total["vllm:prefix_cache_hits"], total["vllm:prefix_cache_queries"]
 
 
 def measure_workload(front: str, servers: list[str], work: Workload) -> dict:

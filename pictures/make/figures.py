@@ -81,6 +81,7 @@ RENDERERS = {
     "bench.gpu.gpu_check": "bench.gpu.gpu_check.render",
     "bench.scale": "bench.scale.markdown",
     "bench.faults": "bench.faults.markdown",
+    "bench.vs_vllm": "bench.vs_vllm.markdown",
 }
 # A results file's command: the module it runs, and its subcommand if it has one.
 COMMAND = re.compile(r"python -m ([\w.]+)(?: ([a-z]+)\b)?")

@@ -62,6 +62,7 @@ COURSE_FOLDERS = ["common", "bench", "pictures", "tests",
 # that `make` puts in hidden folders, nor this file, whose strings would vouch for anything.
 CODE = [p for folder in COURSE_FOLDERS for p in (ROOT / folder).rglob("*.py")
         if p.name != "test_docs.py"]
+CPP_CODE = [p for suffix in ("*.cpp", "*.h") for p in (ROOT / "common").rglob(suffix)]
 
 # Names quoted on purpose that the course's own code never spells.
 EXTERNAL = {
@@ -164,7 +165,8 @@ def quoted(path: Path, commands: bool = False) -> list[tuple[int, str]]:
 
 @lru_cache(maxsize=None)
 def course_words() -> frozenset[str]:
-    """Every name in the course's Python, and every word inside its strings."""
+    """Every name in the course's Python, every word inside its strings, and
+    every name in its C++ kernels."""
     words = set()
     for path in CODE:
         with path.open("rb") as f:
@@ -173,6 +175,8 @@ def course_words() -> frozenset[str]:
                     words.add(token.string)
                 elif token.type in (tokenize.STRING, tokenize.COMMENT):  # keys, shapes
                     words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", token.string))
+    for path in CPP_CODE:  # the C++ kernels: every identifier
+        words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", path.read_text()))
     return frozenset(words)
 
 

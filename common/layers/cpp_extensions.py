@@ -15,6 +15,8 @@ it is the only builder, and removes a lock file that a dead build left.
 
 - paged_attention_cpu: decode attention reading the paged cache in place
   (common/layers/cpu_attention.py);
+- prefill_attention_cpu: prefill attention over query tiles, reading the
+  paged cache in place (the same module);
 - fused_ops_cpu: RMSNorm with the residual add, the rotary embedding
   (common/layers/elementwise.py).
 
@@ -41,6 +43,7 @@ FLAGS = {
     # -ffast-math (compile only, not at link): the float sums over head_dim
     # may be reordered, and exp vectorized.
     "paged_attention_cpu": COMMON_FLAGS + ("-ffast-math",),
+    "prefill_attention_cpu": COMMON_FLAGS + ("-ffast-math", "-mprefer-vector-width=512"),
     # -ffp-contract=off: no fused multiply-add, PyTorch's roundings exactly.
     "fused_ops_cpu": COMMON_FLAGS + ("-ffp-contract=off",),
 }

@@ -1,39 +1,50 @@
-"""Decode attention on the CPU that reads the paged cache in place (ch04).
+"""Attention on the CPU that reads the paged cache in place, in C++ (ch04).
 
 The PyTorch reference (attention.py) first copies every sequence's whole
 context out of the cache (`gather_kv`), padded to the longest, then runs a
 masked SDPA over the copy: for every layer at every step, the cache's bytes
-move three times, and SDPA's kernel, made for long queries, pays its own
-setup for one query token per sequence. vLLM's CPU backend reads the blocks
-where they are, in C++. So does csrc/paged_attention_cpu.cpp: the sequences
-in parallel over the intra-op threads, each context walked a tile of up to
-32 tokens of one block at a time (the next tile prefetched), with an online
-softmax, all in float32; each K and V row is read once through the block
-table and serves its group's query heads. A decode step of 64 sequences in
-bfloat16: 1.29x faster than with the reference, 1.19x in float32
-(bench/results/2026-12-02-vm-profile.md).
+move three times, and with an explicit mask SDPA computes the scores of
+the masked keys too. vLLM's CPU backend reads the blocks where they are,
+in C++. So do the two kernels here:
 
-PyTorch compiles it on first use (common/layers/cpp_extensions.py; `make
-setup` does it once). Where it cannot be built, `cpu_attention_ops` says why
-and the engine runs the PyTorch reference.
+- decode (csrc/paged_attention_cpu.cpp): one query token per sequence.
+  Each context is walked a tile of up to 32 tokens of one block at a time
+  (the next tile prefetched), with an online softmax, in float32; each K
+  and V row is read once through the block table and serves its group's
+  query heads. A context longer than 512 tokens is cut into pieces that
+  run on different threads and are merged at the end (flash-decoding), so
+  that a few long contexts keep both cores busy. A decode step of 64
+  sequences in bfloat16: 1.29x faster than with the reference, 1.19x in
+  float32 (bench/results/2026-12-02-vm-profile.md).
+- prefill (csrc/prefill_attention_cpu.cpp): several new tokens per
+  sequence, causal, after whatever the cache already holds (a prefix hit,
+  an earlier chunk). Flash attention's way: a tile of 32 new tokens x the
+  query heads of one KV head against 64 keys at a time, staged from their
+  blocks, scores and values as small register-tiled products, an online
+  softmax; the keys a tile's rows cannot see are never read.
+  bench/profiles/prefill_attention.py times it against the reference.
+
+One exception: in bfloat16 on a CPU with AMX, SDPA's products run on
+oneDNN's AMX tiles, and the reference beats the tiled kernel's float32
+loops once a chunk is long (the kernel: 0.53-0.86x there; still 1.2x
+where 16 sequences each add 30 tokens after a 1,000-token prefix, as the
+reference's setup is per sequence). So on such a CPU, a bfloat16 chunk of
+at least `AMX_MIN_QUERY` new tokens whose query length x context length is
+above `AMX_CHUNK` goes to the reference
+(bench/results/2026-12-06-vm-prefill-attention.md).
+
+PyTorch compiles both on first use (common/layers/cpp_extensions.py; `make
+setup` does it once). Where they cannot be built, `cpu_attention_ops` says
+why and the engine runs the PyTorch reference. A head_dim other than 64 or
+128 prefills through the reference (the tiles are compiled for those two).
 
 The reference stays the specification: tests/test_cpu_attention.py checks
-the kernel against it (float32 and bfloat16, grouped and not, blocks of 1 to
-a whole region) and the engine's greedy tokens against HF's through it.
+both kernels against it (float32 and bfloat16, grouped and not, blocks of
+1 to a whole region; short, long, chunked prompts and prefix hits) and the
+engine's greedy tokens against HF's through them.
 
-Prefill (issue 35): a short chunk's new tokens go through the same kernel,
-each as a decode row that sees the keys up to its own position (exactly
-the causal mask). For the load test's 32-36-token prompts, one layer's
-prefill attention takes 2.8-3.3x less time than the reference's
-per-sequence loop, 1.1-1.6x less at 64 tokens; a long chunk (query length
-x context length above SHORT_CHUNK) still goes through the reference,
-since each row reads its whole context again (0.1-0.7x there):
-bench/results/2026-12-04-vm-prefill-attention.md.
-
-Left out: a prefill kernel that reads each K/V tile once for many query
-rows (what long prompts would need), storing K/V (the reference's index_copy_), explicit SIMD intrinsics
-(the compiler vectorizes the loops over head_dim), splitting one long
-context over several threads.
+Left out: storing K/V (the reference's index_copy_), explicit SIMD
+intrinsics and AMX tiles (the compiler vectorizes the loops, in float32).
 """
 from __future__ import annotations
 
@@ -43,38 +54,51 @@ import torch
 
 from common.layers import cpp_extensions
 from common.layers.attention import TorchOps
+from common.loader import cpu_bf16_flags
+
+TILED_HEAD_DIMS = (64, 128)  # the head sizes the prefill kernel is compiled for
+# In bfloat16 on a CPU with AMX, a chunk of at least AMX_MIN_QUERY new tokens
+# and above AMX_CHUNK (query length x context length) is faster through the
+# reference's SDPA (see the module's docstring).
+AMX_MIN_QUERY = 64
+AMX_CHUNK = 128 * 128
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in cpu_bf16_flags()
+
+
+def to_the_reference(query: torch.Tensor, query_start_loc: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor | None:
+    """Which sequences of a prefill batch go to the reference (a (S,) mask),
+    or None: all of them to the tiled kernel."""
+    if query.shape[-1] not in TILED_HEAD_DIMS:
+        return torch.ones_like(context_lens, dtype=torch.bool)
+    if query.dtype != torch.bfloat16 or not cpu_has_amx():
+        return None
+    query_lens = query_start_loc.diff()  # (S,)
+    long = (query_lens >= AMX_MIN_QUERY) & (query_lens * context_lens > AMX_CHUNK)  # (S,)
+    return long if long.any() else None
 
 
 def build_extension():
-    """The compiled kernel's Python module (built on first use)."""
+    """The decode kernel's Python module (built on first use)."""
     return cpp_extensions.build("paged_attention_cpu")
 
 
-# A prefill chunk goes through the kernel, as decode rows, while its query
-# length x context length is at most this; above, the reference's SDPA
-# (bench/profiles/prefill_attention.py measures both).
-SHORT_CHUNK = 64 * 64
+def build_prefill_extension():
+    """The prefill kernel's Python module (built on first use)."""
+    return cpp_extensions.build("prefill_attention_cpu")
 
 
-def prefill_as_decode_rows(query, k_cache, v_cache, block_tables, query_start_loc,
-                           context_lens, scale):
-    """Causal prefill attention through the decode kernel: the new token j
-    of a sequence (position context_len - query_len + j) is one decode row
-    that sees the first context_len - query_len + j + 1 tokens of the same
-    block table. Exactly the causal mask; each row reads its context in
-    place, so the work grows with query_len x context_len (SHORT_CHUNK)."""
-    query_lens = query_start_loc.diff().long()  # (S,)
-    seq_of_row = torch.repeat_interleave(
-        torch.arange(len(query_lens), device=query.device), query_lens)  # (T,)
-    index = torch.arange(query.shape[0], device=query.device) - query_start_loc[seq_of_row]
-    seen = (context_lens - query_lens)[seq_of_row] + index + 1  # (T,) keys each row sees
-    return build_extension().paged_decode_attention(
-        query, k_cache, v_cache, block_tables[seq_of_row], seen.to(torch.int32), scale)
+def build_extensions():
+    """Both kernels (what `cpu_attention_ops` checks before using them)."""
+    return build_extension(), build_prefill_extension()
 
 
 class CpuOps(TorchOps):
-    """The reference's store; decode attention in C++, and the short prefill
-    chunks (the usual prompts) through the same kernel."""
+    """The reference's store; decode and prefill attention in C++."""
 
     @staticmethod
     def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
@@ -85,19 +109,20 @@ class CpuOps(TorchOps):
     @staticmethod
     def paged_prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                 context_lens, scale):
-        """Same arguments and result as attention.paged_prefill_attention
-        (issue 35): short chunks as decode rows, the long ones (a long
-        prompt's chunks) through the reference."""
-        query_lens = query_start_loc.diff()  # (S,)
-        short = query_lens * context_lens <= SHORT_CHUNK  # (S,)
-        if short.all() or not short.any():  # one kind of chunk: the whole batch in one call
-            attend = prefill_as_decode_rows if short.all() else TorchOps.paged_prefill_attention
+        """Same arguments and result as attention.paged_prefill_attention:
+        the tiled kernel, or the reference for the sequences `to_the_reference` picks."""
+        tiled = build_prefill_extension().paged_prefill_attention
+        reference = TorchOps.paged_prefill_attention
+        picked = to_the_reference(query, query_start_loc, context_lens)  # (S,) or None
+        if picked is None or picked.all():  # one way for the whole batch: one call
+            attend = tiled if picked is None else reference
             return attend(query, k_cache, v_cache, block_tables, query_start_loc,
                           context_lens, scale)
         out = torch.empty_like(query)
-        short_rows = short.repeat_interleave(query_lens.long())  # (T,)
-        for seqs, rows, attend in ((short, short_rows, prefill_as_decode_rows),
-                                   (~short, ~short_rows, TorchOps.paged_prefill_attention)):
+        query_lens = query_start_loc.diff()  # (S,)
+        picked_rows = picked.repeat_interleave(query_lens.long())  # (T,)
+        for seqs, rows, attend in ((~picked, ~picked_rows, tiled),
+                                   (picked, picked_rows, reference)):
             lens = query_lens[seqs]
             loc = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(query_start_loc.dtype)
             out[rows] = attend(query[rows], k_cache, v_cache, block_tables[seqs], loc,
@@ -107,6 +132,6 @@ class CpuOps(TorchOps):
 
 @functools.cache
 def cpu_attention_ops() -> type[TorchOps]:
-    """CpuOps where the kernel builds; else the PyTorch reference, said once."""
-    return cpp_extensions.kernels_or_reference(build_extension, CpuOps, TorchOps,
-                                               "decode attention")
+    """CpuOps where the kernels build; else the PyTorch reference, said once."""
+    return cpp_extensions.kernels_or_reference(build_extensions, CpuOps, TorchOps,
+                                               "attention")

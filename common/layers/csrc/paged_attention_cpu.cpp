@@ -3,13 +3,19 @@
 //
 // One query token per sequence; sequence s's token t sits in cache block
 // block_tables[s][t / block_size], row t % block_size, and a row holds the
-// K (or V) of every KV head. The sequences are spread over the intra-op
-// threads. Each walks its context a tile at a time (up to kTile consecutive
-// tokens of one block: contiguous memory), with an online softmax, in float32:
+// K (or V) of every KV head. The sequences go to the intra-op threads from
+// one shared counter, the longest first. Where one context is more than a
+// thread's share of the batch's keys, the contexts longer than kPiece tokens
+// are cut into pieces of kPiece (flash-decoding's split), so that a few long
+// contexts keep every core busy, not one. Each piece is walked a tile at a
+// time (up to kTile consecutive tokens of one block: contiguous memory), with
+// an online softmax, in float32:
 //   1. the tile's K rows -> scores of every query head, scaled;
 //   2. the running maximum and sum of exp(score - max), rescaling what was
 //      summed so far when the maximum grows (as flash attention does);
 //   3. the tile's V rows, weighted by exp(score - max), added to the output.
+// A sequence cut into pieces then merges their partial results: each piece's
+// sum is rescaled to the largest of the pieces' maxima (`merge_pieces`).
 // Every K and V row is read once, where it is; a KV head's row serves the
 // query heads of its group (grouped-query attention). While a tile is being
 // computed, the next one's rows are prefetched: the blocks are scattered, so
@@ -17,14 +23,15 @@
 // head_dim 64 and 128 are compiled as constants (the loops unroll, q and the
 // output stay in registers); other sizes take the generic version.
 //
-// Left out: long prefill chunks (several query tokens: common/layers/cpu_attention.py
-// sends short chunks here as decode rows, longer ones to the PyTorch reference),
+// Left out: prefill chunks (several query tokens: prefill_attention_cpu.cpp),
 // explicit SIMD intrinsics (the compiler vectorizes the loops over head_dim),
-// splitting one long context over several threads (vLLM's "split-K").
-#include <torch/extension.h>
+// a piece length that adapts to the batch (vLLM's CPU kernels pick theirs per ISA).
+#include "cpu_vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -32,13 +39,10 @@
 
 namespace {
 
-constexpr int64_t kTile = 32;  // tokens per tile, at most (fewer at a block's end)
+using cpu_attention::f32;
 
-// One value to float32. bfloat16 is float32's upper 16 bits: a shift,
-// written on the bits so that the compiler vectorizes the loops around it.
-template <typename scalar_t>
-inline float f32(scalar_t x) { return static_cast<float>(x); }
-inline float f32(c10::BFloat16 x) { return __builtin_bit_cast(float, uint32_t(x.x) << 16); }
+constexpr int64_t kTile = 32;    // tokens per tile, at most (fewer at a block's end)
+constexpr int64_t kPiece = 512;  // a longer context is cut into pieces of this many tokens
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -58,21 +62,22 @@ struct DecodeOne {
         scores(s.num_heads * kTile), running_max(s.num_heads),
         total(s.num_heads) {}
 
+  // The keys begin..end-1 of one sequence: leaves acc, running_max, total.
   void run(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
-           const int32_t* blocks, int64_t context_len, float scale, scalar_t* out) {
+           const int32_t* blocks, int64_t begin, int64_t end, float scale) {
     const int64_t H = shape.num_heads, D = shape.head_dim, bs = shape.block_size;
     for (int64_t i = 0; i < H * D; ++i) q[i] = f32(query[i]);
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
     std::fill(total.begin(), total.end(), 0.f);
-    for (int64_t start = 0; start < context_len;) {
+    for (int64_t start = begin; start < end;) {
       const int64_t offset = start % bs;
-      const int64_t n = std::min({kTile, bs - offset, context_len - start});
+      const int64_t n = std::min({kTile, bs - offset, end - start});
       const int64_t slot = int64_t(blocks[start / bs]) * bs + offset;  // the tile's first
-      if (start + n < context_len) {  // the next tile's rows, on their way during this one
+      if (start + n < end) {  // the next tile's rows, on their way during this one
         const int64_t next = start + n;
         const int64_t next_slot = int64_t(blocks[next / bs]) * bs + next % bs;
-        const int64_t next_n = std::min({kTile, bs - next % bs, context_len - next});
+        const int64_t next_n = std::min({kTile, bs - next % bs, end - next});
         const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * shape.row());
         const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * shape.row());
         for (int64_t byte = 0; byte < next_n * shape.row() * int64_t(sizeof(scalar_t)); byte += 64) {
@@ -84,11 +89,23 @@ struct DecodeOne {
       for (int64_t h = 0; h < H; ++h) add_values(v_cache + slot * shape.row(), h, n);
       start += n;
     }
+  }
+
+  // A whole context: the output, normalized.
+  void finish(scalar_t* out) const {
+    const int64_t H = shape.num_heads, D = shape.head_dim;
     for (int64_t h = 0; h < H; ++h) {
       const float inv = 1.f / total[h];
       for (int64_t d = 0; d < D; ++d)
         out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
     }
+  }
+
+  // A piece of a context: its unnormalized sums and its maxima, merged later.
+  void save_piece(float* piece_acc, float* piece_max, float* piece_total) const {
+    std::copy(acc.begin(), acc.end(), piece_acc);
+    std::copy(running_max.begin(), running_max.end(), piece_max);
+    std::copy(total.begin(), total.end(), piece_total);
   }
 
   // Steps 1-2 for query head h: scores[h][i] = exp(q_h . k_i * scale - max).
@@ -131,6 +148,63 @@ struct DecodeOne {
   }
 };
 
+// A part of one sequence's context: keys begin..end-1. `index`: its row in
+// the pieces' buffers (-1: the whole context, written straight to the output).
+struct Piece {
+  int64_t seq, begin, end, index;
+};
+
+// Every sequence's context, the longest first; cut into pieces of kPiece
+// tokens where one context alone is more than a thread's share of the
+// batch's keys (a few long contexts on more threads than sequences).
+// Otherwise whole contexts balance the threads well enough, and pieces
+// would only add their merge.
+std::vector<Piece> plan_pieces(const int32_t* context_lens, int64_t num_seqs,
+                               int64_t num_threads, std::vector<int64_t>& first_piece) {
+  int64_t longest = 0, keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    longest = std::max<int64_t>(longest, context_lens[s]);
+    keys += context_lens[s];
+  }
+  const bool cut = longest * num_threads > keys;
+  std::vector<Piece> pieces;
+  int64_t saved = 0;  // pieces that are parts of a longer context
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = context_lens[s];
+    first_piece[s] = cut && len > kPiece ? saved : -1;
+    if (first_piece[s] < 0) {
+      pieces.push_back({s, 0, len, -1});
+      continue;
+    }
+    for (int64_t begin = 0; begin < len; begin += kPiece)
+      pieces.push_back({s, begin, std::min(len, begin + kPiece), saved++});
+  }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
+  return pieces;
+}
+
+// One sequence's pieces -> its output: every piece's sums rescaled to the
+// largest maximum among them, added, divided by the added totals.
+template <typename scalar_t>
+void merge_pieces(const float* acc, const float* maxima, const float* totals,
+                  int64_t num_pieces, int64_t H, int64_t D, scalar_t* out) {
+  std::vector<float> sum(D);
+  for (int64_t h = 0; h < H; ++h) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_pieces; ++p) m = std::max(m, maxima[p * H + h]);
+    float total = 0.f;
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t p = 0; p < num_pieces; ++p) {
+      const float w = std::exp(maxima[p * H + h] - m);
+      total += totals[p * H + h] * w;
+      for (int64_t d = 0; d < D; ++d) sum[d] += acc[(p * H + h) * D + d] * w;
+    }
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(sum[d] / total);
+  }
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
@@ -147,25 +221,47 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   auto out = torch::empty_like(query);
   const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1),
                     block_tables.size(1)};
-  const int64_t per_seq = shape.num_heads * shape.head_dim;
+  const int64_t H = shape.num_heads, D = shape.head_dim, per_seq = H * D;
+  const int64_t num_seqs = query.size(0);
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  std::vector<int64_t> first_piece(num_seqs);
+  const std::vector<Piece> pieces = plan_pieces(lens, num_seqs, at::get_num_threads(),
+                                                first_piece);
+  int64_t num_saved = 0;
+  for (const Piece& p : pieces) num_saved += p.index >= 0;
+  std::vector<float> piece_acc(num_saved * per_seq), piece_max(num_saved * H),
+      piece_total(num_saved * H);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = k_cache.data_ptr<scalar_t>();
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
-    const int32_t* lens = context_lens.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     auto launch = [&](auto head_dim) {
-      at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
+      std::atomic<int64_t> next{0};  // the next piece to take
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         DecodeOne<scalar_t, decltype(head_dim)::value> one(shape);  // this thread's buffers
-        for (int64_t s = begin; s < end; ++s)
-          one.run(q + s * per_seq, k, v, tables + s * shape.max_blocks, lens[s],
-                  static_cast<float>(scale), o + s * per_seq);
+        for (int64_t i = next++; i < int64_t(pieces.size()); i = next++) {
+          const Piece& p = pieces[i];
+          one.run(q + p.seq * per_seq, k, v, tables + p.seq * shape.max_blocks, p.begin, p.end,
+                  static_cast<float>(scale));
+          if (p.index < 0) one.finish(o + p.seq * per_seq);
+          else one.save_piece(&piece_acc[p.index * per_seq], &piece_max[p.index * H],
+                              &piece_total[p.index * H]);
+        }
       });
     };
     if (shape.head_dim == 64) launch(std::integral_constant<int64_t, 64>());
     else if (shape.head_dim == 128) launch(std::integral_constant<int64_t, 128>());
     else launch(std::integral_constant<int64_t, 0>());
+    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {  // the cut contexts
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t first = first_piece[s];
+        if (first < 0) continue;
+        merge_pieces(&piece_acc[first * per_seq], &piece_max[first * H], &piece_total[first * H],
+                     (lens[s] + kPiece - 1) / kPiece, H, D, o + s * per_seq);
+      }
+    });
   });
   return out;
 }

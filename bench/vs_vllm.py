@@ -1,6 +1,6 @@
 """`make bench-vs-vllm`: chapter 06 against the real vLLM, runs alternated.
 
-    python -m bench.vs_vllm        # 5 loads x 2 dtypes x 3 pairs of 30 s runs (~70 min, 2 cores)
+    python -m bench.vs_vllm        # 5 loads x 2 dtypes x 3 pairs of 30-60 s runs (~60 min, 2 cores)
     python -m bench.vs_vllm --loads chat-32 long --dtypes float32 --alternations 1 --duration 10
 
 One short run per server says little: the same vLLM moved by a quarter
@@ -17,7 +17,8 @@ both servers start once and stay up side by side:
 Then for each load (bench/workloads.py): one uncounted warm-up request
 to each, then chapter 06, vLLM, chapter 06, vLLM, ... (`--alternations`
 pairs), each run `--duration` seconds of steady state (bench/loadtest.py
-`run_for_duration`). A pair's two runs send the same requests (one seed);
+`run_for_duration`; by default each load's own: 30 s for chat, 60 s for
+the long prompts, whose requests last about 30 s each). A pair's two runs send the same requests (one seed);
 each pair has its own seed, so that no run finds the previous one's
 documents in its prefix cache.
 
@@ -189,6 +190,7 @@ def measure_load(workload: Workload, servers: dict[str, ServerProcess], dtype: s
     """The warm-ups, then the alternated runs of one load."""
     models = {name: served_model(server.url) for name, server in servers.items()}
     entry = {"load": workload.name, "dtype": dtype, "about": workload.about,
+             "duration_s": args.duration or workload.duration_s,
              "warm_up_errors": {name: warm_up(server.url, models[name], workload,
                                               args.seed + WARMUP_SEED)
                                 for name, server in servers.items()},
@@ -196,7 +198,7 @@ def measure_load(workload: Workload, servers: dict[str, ServerProcess], dtype: s
     for i in range(args.alternations):
         for name, idle in ((OURS, VLLM), (VLLM, OURS)):
             run = measure_run(servers[name], servers[idle], models[name], workload,
-                              args.seed + i, args.duration)
+                              args.seed + i, args.duration or workload.duration_s)
             entry["runs"][name].append(run)
             print(f"{workload.name} {dtype} pair {i + 1}/{args.alternations} {name}: "
                   f"{run['output_tokens_per_s']:.1f} tok/s, {run['completed']} requests, "
@@ -292,13 +294,21 @@ def idle_lines(loads: list[dict]) -> list[str]:
     return lines
 
 
+def durations(rec: dict) -> str:
+    """Each load's steady state, in words ("30 s (chat-32), 60 s (long)")."""
+    if rec["settings"]["duration_s"] is not None or not rec["loads"]:  # one for every load
+        return f"{rec['settings']['duration_s']:g} s"
+    by_load = {e["load"]: e.get("duration_s") for e in rec["loads"]}
+    return ", ".join(f"{d:g} s ({load})" for load, d in by_load.items() if d is not None)
+
+
 def markdown(rec: dict) -> str:
     m, s = rec["machine"], rec["settings"]
     lines = [f"# Chapter 06 against the real vLLM, runs alternated, {rec['date']}", "",
              f"{m['cpu']}, {m['cores']} cores, {bf16_words(m)}; vLLM {m.get('vllm')}; "
              f"`{rec['command']}`", "",
              f"Each load: one uncounted warm-up request per server, then chapter 06 and vLLM "
-             f"alternated, {s['alternations']} pair(s), each run {s['duration_s']:g} s of steady "
+             f"alternated, {s['alternations']} pair(s), each run {durations(rec)} of steady "
              f"state (then its answers in flight); both servers up, {s['max_num_seqs']} "
              f"sequences, {s['max_num_batched_tokens']} tokens per step.", ""]
     for dtype, servers in rec["servers"].items():
@@ -328,7 +338,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES)
     p.add_argument("--alternations", type=int, default=3, help="pairs of runs (ch06, vLLM)")
-    p.add_argument("--duration", type=float, default=30.0, help="s of steady state per run")
+    p.add_argument("--duration", type=float, default=None,
+                   help="s of steady state per run (default: each load's own, "
+                        "30 s for chat, 60 s for long prompts)")
     p.add_argument("--card", type=float, default=None,
                    help="chapter 06's card, GiB (default: about vLLM's KV cache, per dtype)")
     p.add_argument("--seed", type=int, default=0, help="pair i's requests: seed + i")

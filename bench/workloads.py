@@ -142,6 +142,9 @@ class Workload:
     clients: int
     max_tokens: int
     about: str  # in words, for the results table
+    # A run's steady state: long enough for each client's second request to
+    # start out of step with the others' (a long prompt's request: ~30 s here)
+    duration_s: float = 30.0
 
     def conversation(self, seed: int, client: int, index: int) -> Conversation:
         """Client `client`'s `index`-th conversation, from these three alone."""
@@ -253,11 +256,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Chat("chat-32", 32, 64, "32 clients, the load test's short prompts, 64 tokens out"),
     Chat("chat-64", 64, 128, "64 clients, the load test's short prompts, 128 tokens out"),
     LongDocument("long", 16, 128, "16 clients, a 1,000-1,500-token document each, "
-                 "128 tokens out"),
+                 "128 tokens out", duration_s=60.0),
     SharedPrefix("shared-prefix", 16, 128, "16 clients, one 1,000-token document, "
-                 "a question each, 128 tokens out"),
+                 "a question each, 128 tokens out", duration_s=60.0),
     MultiTurn("multi-turn", 16, 128, "16 conversations x 4 turns resending the history, "
-              "a 400-token document first, 128 tokens out per turn"),
+              "a 400-token document first, 128 tokens out per turn", duration_s=60.0),
 ]}
 
 

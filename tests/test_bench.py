@@ -323,3 +323,26 @@ def test_the_fault_table_counts_what_overlapped_each_fault_and_says_never():
                           "load": {"whole": 2, "error event": 1}}]}
     row = markdown(record).splitlines()[-1]
     assert row.startswith("| replica stopped | the router | never | - | 1 error event, 2 whole")
+
+
+def test_the_serve_profile_puts_each_sample_of_each_thread_in_its_part():
+    """py-spy's raw lines (thread, then the stack from its root): the first
+    frame from the top that a rule names decides the part."""
+    from bench.profiles.serve_profile import sample_threads
+    engine = ("thread (7): engine-loop;Thread.run (/usr/lib/python3.11/threading.py:982);"
+              "AsyncLLM._loop (/r/common/engine/async_llm.py:330)")
+    main = "thread (5): MainThread;<module> (/r/06-openai-server/server.py:30)"
+    lines = [
+        f"{engine};LLMEngine.step (/r/common/engine/llm_engine.py:90);"
+        "Sampler.forward (/r/common/layers/sampler.py:50) 7",
+        f"{engine};ModelRunner.execute_model (/r/common/worker/model_runner.py:80);"
+        "LlamaModel.forward (/r/common/models/llama.py:10) 30",
+        f"{engine};Event.wait (/usr/lib/python3.11/threading.py:629);"
+        "Condition.wait (/usr/lib/python3.11/threading.py:327) 4",
+        f"{main};EpollSelector.select (/usr/lib/python3.11/selectors.py:468) 20",
+        f"{main};StreamingResponse.stream_response (/v/starlette/responses.py:250) 5",
+        f"{main};mystery (/r/elsewhere.py:1) 1",
+    ]
+    threads = sample_threads(lines)
+    assert threads["engine"] == {"sampling": 7, "forward pass": 30, "waiting for work": 4}
+    assert threads["main"] == {"idle in select": 20, "HTTP and streaming": 5, "other": 1}

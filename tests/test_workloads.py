@@ -84,6 +84,14 @@ def test_each_load_gives_vllm_bench_serve_its_clients_and_answer_length():
     assert "--random-input-len 1250" in long and '"input": 0.2' in long
 
 
+def test_a_long_prompts_run_lasts_long_enough_for_a_second_round():
+    """A long prompt's request takes about 30 s on 2 cores: its loads run
+    60 s, so that the second round of requests starts out of step."""
+    assert {name: load.duration_s for name, load in WORKLOADS.items()} == {
+        "chat-32": 30.0, "chat-64": 30.0, "long": 60.0, "shared-prefix": 60.0,
+        "multi-turn": 60.0}
+
+
 def run(tokens_per_s: float, ttft: float | None = 0.5, failed: int = 0) -> dict:
     return {"output_tokens_per_s": tokens_per_s, "ttft_p50_s": ttft, "ttft_p95_s": ttft,
             "itl_p50_s": 0.1, "itl_p95_s": 0.2, "e2e_p50_s": 2.0, "e2e_p95_s": 3.0,

@@ -29,6 +29,11 @@ against its previous version, in
 turn on the same running batch (a before/after pair measured in one run,
 immune to the machine's drift).
 
+Against the machine: the step's arithmetic over one large product's
+GFLOP/s (the roofline), its bytes over the read speed, and the limit
+(issue 50): the step's matrix products alone at the roofline's speed,
+over the step's time.
+
 Results: bench/results/DATE-HOST-profile.{json,md} (`--tag` adds a suffix,
 for a before/after pair).
 
@@ -279,16 +284,20 @@ def gemm_roofline(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> fl
     return 2 * size ** 3 * repeats / (time.perf_counter() - begin) / 1e9
 
 
-def flops_per_token(hf_model, context: int) -> float:
-    """2 per weight of every matrix product (the decoder's linears and the
-    LM head; not the embedding, a lookup) plus attention's 4 x context x
-    heads x head_dim per layer."""
-    cfg, layers = hf_model.config, hf_model.model.layers
-    linear = sum(m.weight.numel() for layer in layers for m in layer.modules()
+def product_flops_per_token(hf_model) -> float:
+    """2 per weight of every matrix product: the decoder's linears and the
+    LM head (not the embedding, a lookup)."""
+    linear = sum(m.weight.numel() for layer in hf_model.model.layers for m in layer.modules()
                  if isinstance(m, torch.nn.Linear))
+    return 2 * (linear + hf_model.lm_head.weight.numel())
+
+
+def flops_per_token(hf_model, context: int) -> float:
+    """The products' FLOPs plus attention's 4 x context x heads x head_dim per layer."""
+    cfg, layers = hf_model.config, hf_model.model.layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 4 * context * cfg.num_attention_heads * head_dim * len(layers)
-    return 2 * (linear + hf_model.lm_head.weight.numel()) + attention
+    return product_flops_per_token(hf_model) + attention
 
 
 def step_bytes(hf_model, contexts: list[int]) -> int:
@@ -344,6 +353,7 @@ def measure(loaded, dtype: str, seqs: int, max_tokens: int, steps: int, card_gb:
     return {"dtype": dtype, "seqs": seqs, "max_tokens": max_tokens, "steps": steps, "ab": ab,
             "step_bytes": step_bytes(loaded.model, contexts), "read_gb_s": read_bandwidth_gb_s(),
             "step_gflops": step_flops / 1e9, "gflop_s": step_flops / step_s / 1e9,
+            "product_gflops": seqs * product_flops_per_token(loaded.model) / 1e9,
             "roofline_gflop_s": roofline,
             "context_min": min(contexts), "context_max": max(contexts),
             "step_ms": step_s * 1e3, "decode_tok_s": seqs / step_s,
@@ -376,6 +386,19 @@ def markdown(rec: dict) -> str:
         lines += [f"| {r['dtype']} | {r['seqs']} | {r['step_gflops']:.1f} | {r['gflop_s']:.0f} | "
                   f"{r['roofline_gflop_s']:.0f} | {100 * r['gflop_s'] / r['roofline_gflop_s']:.0f} |"
                   for r in rec["runs"]]
+    if all("product_gflops" in r for r in rec["runs"]):
+        lines += ["", "The limit, per step (issue 50): the step's matrix products (its "
+                  "linears and LM head) at the large product's speed above, against the "
+                  "step's time; the rest of the step (attention, sampling, scheduling, "
+                  "Python) is what keeps it from 100 % (the aim: at least 80 % at 64 "
+                  "sequences):", "",
+                  "| dtype | seqs | GFLOP of products | ms at the roofline | ms a step | % |",
+                  "|---|---|---|---|---|---|"]
+        for r in rec["runs"]:
+            limit_ms = r["product_gflops"] / r["roofline_gflop_s"] * 1e3
+            lines.append(f"| {r['dtype']} | {r['seqs']} | {r['product_gflops']:.1f} | "
+                         f"{limit_ms:.1f} | {r['step_ms']:.1f} | "
+                         f"{100 * limit_ms / r['step_ms']:.0f} |")
     if all("step_bytes" in r for r in rec["runs"]):
         lines += ["", "Against memory: the bytes a decode step must read (the weights once, "
                   "the K/V it attends) at this machine's read speed (a sum over 256 MiB, "

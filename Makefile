@@ -251,7 +251,7 @@ vllm-serve: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000 DTYPE=float32 VLLM_KV_
 watch-vllm: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000: the real vLLM with --kv-events-config, and the live view of its prefix cache on PORT+1
 	$(PY) -m bench.peers.watch_vllm --port $(PORT) --dtype $(DTYPE)
 
-bench-vs-vllm: $(STAMP) $(VLLM_VENV)/.installed ## LOADS="chat-32 long" DTYPES=float32 ALTERNATIONS=3 DURATION=30: chapter 06 against the real vLLM, both up, runs alternated, 5 seeded loads, float32 and bfloat16 (~70 min)
+bench-vs-vllm: $(STAMP) $(VLLM_VENV)/.installed ## LOADS="chat-32 long" DTYPES=float32 ALTERNATIONS=3 DURATION=60: chapter 06 against the real vLLM, both up, runs alternated, 5 seeded loads, float32 and bfloat16 (~60 min)
 	$(PY) -m bench.vs_vllm $(VS_VLLM_ARGS)
 
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire)

@@ -54,7 +54,7 @@ OTHER_BENCH_ARGS = $(if $(LEVERS),--levers $(filter-out 1,$(LEVERS))) \
 
 # `make bench-vs-vllm` knobs (bench/vs_vllm.py), also read by `make bench PEERS=vllm`:
 # LOADS="chat-32 long" (of chat-32 chat-64 long shared-prefix multi-turn)
-# DTYPES=float32 ALTERNATIONS=3 (pairs of runs) DURATION=30 (s per run); empty: all, 3, 30.
+# DTYPES=float32 ALTERNATIONS=3 (pairs of runs) DURATION=30 (s per run); empty: all, 3, each load's own (30 s chat, 60 s long prompts).
 LOADS       ?=
 DTYPES      ?=
 ALTERNATIONS ?=

@@ -174,38 +174,54 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-def compare(ours: list[dict], theirs: list[dict]) -> dict:
-    """Chapter 06 over vLLM, output tokens/s, pair by pair: the ratios,
-    their median and spread; each server's medians."""
+def ratio_spread(numerators: list[dict], denominators: list[dict]) -> dict:
+    """Output tokens/s of one server's runs over the other's, pair by pair:
+    the ratios, their median and spread."""
     ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
-              for a, b in zip(ours, theirs) if b["output_tokens_per_s"]]
+              for a, b in zip(numerators, denominators) if b["output_tokens_per_s"]]
     return {"ratios": ratios,
             "ratio_median": statistics.median(ratios) if ratios else None,
-            "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
-            OURS: medians(ours), VLLM: medians(theirs)}
+            "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> dict:
+    """Chapter 06 over vLLM, pair by pair (`ratio_spread`); each server's medians."""
+    return {**ratio_spread(ours, theirs), OURS: medians(ours), VLLM: medians(theirs)}
+
+
+def alternated_runs(workload: Workload, servers: dict[str, ServerProcess], seed: int,
+                    alternations: int, duration_s: float, label: str = ""
+                    ) -> tuple[dict[str, str], dict[str, list[dict]]]:
+    """One warm-up request on each of the two servers, then their runs
+    alternated, in the dict's order, pair i on seed + i: (the warm-ups'
+    errors, each server's runs)."""
+    models = {name: served_model(server.url) for name, server in servers.items()}
+    errors = {name: warm_up(server.url, models[name], workload, seed + WARMUP_SEED)
+              for name, server in servers.items()}
+    first, second = servers
+    runs: dict[str, list[dict]] = {first: [], second: []}
+    for i in range(alternations):
+        for name, idle in ((first, second), (second, first)):
+            run = measure_run(servers[name], servers[idle], models[name], workload, seed + i,
+                              duration_s)
+            runs[name].append(run)
+            print(f"{workload.name}{label} pair {i + 1}/{alternations} {name}: "
+                  f"{run['output_tokens_per_s']:.1f} tok/s, {run['completed']} requests, "
+                  f"{run['failed']} failed; idle {idle}: {run['idle_other_cpu_s']:.2f} s CPU",
+                  flush=True)
+    return errors, runs
 
 
 def measure_load(workload: Workload, servers: dict[str, ServerProcess], dtype: str,
                  args: argparse.Namespace) -> dict:
     """The warm-ups, then the alternated runs of one load."""
-    models = {name: served_model(server.url) for name, server in servers.items()}
+    duration_s = args.duration or workload.duration_s
+    errors, runs = alternated_runs(workload, servers, args.seed, args.alternations, duration_s,
+                                   f" {dtype}")
     entry = {"load": workload.name, "dtype": dtype, "about": workload.about,
-             "duration_s": args.duration or workload.duration_s,
-             "warm_up_errors": {name: warm_up(server.url, models[name], workload,
-                                              args.seed + WARMUP_SEED)
-                                for name, server in servers.items()},
-             "runs": {OURS: [], VLLM: []}}
-    for i in range(args.alternations):
-        for name, idle in ((OURS, VLLM), (VLLM, OURS)):
-            run = measure_run(servers[name], servers[idle], models[name], workload,
-                              args.seed + i, args.duration or workload.duration_s)
-            entry["runs"][name].append(run)
-            print(f"{workload.name} {dtype} pair {i + 1}/{args.alternations} {name}: "
-                  f"{run['output_tokens_per_s']:.1f} tok/s, {run['completed']} requests, "
-                  f"{run['failed']} failed; idle {idle}: {run['idle_other_cpu_s']:.2f} s CPU",
-                  flush=True)
-    entry["comparison"] = compare(entry["runs"][OURS], entry["runs"][VLLM])
-    completed = [run["completed"] for run in entry["runs"][VLLM]]
+             "duration_s": duration_s, "warm_up_errors": errors, "runs": runs,
+             "comparison": compare(runs[OURS], runs[VLLM])}
+    completed = [run["completed"] for run in runs[VLLM]]
     entry["vllm_bench_command"] = workload.vllm_bench_command(
         str(vllm_peer.model_dir()), round(statistics.median(completed)) or None, args.seed)
     return entry

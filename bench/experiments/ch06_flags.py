@@ -21,22 +21,21 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.loadtest import ChapterServer, served_model
+from bench.loadtest import ChapterServer
 from bench.record import bf16_words, record_head, write_results
 from bench.vs_vllm import (
     LATENCIES,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
+    alternated_runs,
     card_for_kv,
-    measure_run,
     medians,
-    warm_up,
+    ratio_spread,
 )
 from bench.workloads import WORKLOADS
 from common.net import free_port
@@ -52,21 +51,9 @@ def start(flags: list[str], dtype: str, card_gb: float, log: Path) -> ChapterSer
 
 def measure_load(name: str, servers: dict[str, ChapterServer], args) -> dict:
     workload = WORKLOADS[name]
-    models = {side: served_model(server.url) for side, server in servers.items()}
-    for side, server in servers.items():
-        warm_up(server.url, models[side], workload, args.seed + 1000)
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    for i in range(args.alternations):
-        for side, idle in (SIDES, SIDES[::-1]):
-            run = measure_run(servers[side], servers[idle], models[side], workload,
-                              args.seed + i, args.duration or workload.duration_s)
-            runs[side].append(run)
-            print(f"{name} pair {i + 1} {side}: {run['output_tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p50 {run['ttft_p50_s']:.2f} s", flush=True)
-    ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"]
-              for a, b in zip(runs["before"], runs["after"])]
-    return {"load": name, "runs": runs, "ratios": ratios,
-            "ratio_median": statistics.median(ratios),
+    _, runs = alternated_runs(workload, servers, args.seed, args.alternations,
+                              args.duration or workload.duration_s)
+    return {"load": name, "runs": runs, **ratio_spread(runs["after"], runs["before"]),
             **{side: medians(runs[side]) for side in SIDES}}
 
 

@@ -51,20 +51,20 @@ from bench.loadtest import ChapterServer, run_for_duration, send_one
 from bench.record import bf16_words, record_head, write_results
 from common.net import free_port
 
-# (part, thread, a frame's function or file that puts a sample in it), the
-# first match from the top of the stack wins: the most specific rules first.
+# (part, a frame's function or file that puts a sample in it), the first
+# match from the top of the stack wins: the most specific rules first.
 PARTS = [
-    ("detokenizing", "engine", r"detokenizer\.py"),
-    ("output processing", "engine", r"output_processor\.py"),
-    ("sampling", "engine", r"layers/sampler\.py|logits\.py|rejection_sampler\.py"),
-    ("scheduling", "engine", r"core/scheduler\.py|block_manager\.py"),
-    ("preparing the inputs", "engine", r"_prepare_inputs|prepare_inputs|input_batch"),
-    ("forward pass", "engine", r"common/models/|common/layers/|model_runner\.py"),
-    ("handing outputs to the event loop", "engine", r"_deliver|call_soon_threadsafe"),
-    ("waiting for work", "engine", r"Event\.wait|Condition\.wait"),
-    ("tokenizing prompts", "main", r"tokenizer|apply_chat_template|tokenization"),
-    ("idle in select", "main", r"\.select \(.*selectors\.py"),
-    ("HTTP and streaming", "main",
+    ("detokenizing", r"detokenizer\.py"),
+    ("output processing", r"output_processor\.py"),
+    ("sampling", r"layers/sampler\.py|logits\.py|rejection_sampler\.py"),
+    ("scheduling", r"core/scheduler\.py|block_manager\.py"),
+    ("preparing the inputs", r"prepare_inputs|input_batch"),
+    ("forward pass", r"common/models/|common/layers/|model_runner\.py"),
+    ("handing outputs to the event loop", r"_deliver|call_soon_threadsafe"),
+    ("waiting for work", r"Event\.wait|Condition\.wait"),
+    ("tokenizing prompts", r"tokenizer|apply_chat_template|tokenization"),
+    ("idle in select", r"\.select \(.*selectors\.py"),
+    ("HTTP and streaming",
      r"uvicorn|starlette|fastapi|h11|asyncio|common/entrypoints|pydantic|json"),
 ]
 IDLE = {"waiting for work", "idle in select"}
@@ -88,7 +88,7 @@ def sample_threads(lines: list[str]) -> dict[str, collections.Counter]:
 
 def part_of(frames: list[str]) -> str:
     for frame in reversed(frames):  # from the top of the stack down
-        for part, _, pattern in PARTS:
+        for part, pattern in PARTS:
             if re.search(pattern, frame):
                 return part
     return "other"
@@ -149,7 +149,7 @@ def markdown(rec: dict) -> str:
                   f"({run['tok_s']:.0f} output tok/s while sampled)", "",
                   "| part | engine thread % | main thread (event loop) % |", "|---|---|---|"]
         totals = sum(engine.values()) or 1, sum(main.values()) or 1
-        parts = [p for p, _, _ in PARTS] + ["other"]
+        parts = [p for p, _ in PARTS] + ["other"]
         for part in parts:
             e, h = engine.get(part, 0) / totals[0], main.get(part, 0) / totals[1]
             if e or h:

@@ -11,9 +11,10 @@ in C++. So do the two kernels here:
   Each context is walked a tile of up to 32 tokens of one block at a time
   (the next tile prefetched), with an online softmax, in float32; each K
   and V row is read once through the block table and serves its group's
-  query heads. A context longer than 512 tokens is cut into pieces that
-  run on different threads and are merged at the end (flash-decoding), so
-  that a few long contexts keep both cores busy. A decode step of 64
+  query heads. Where one context is more than a thread's share of the
+  batch's keys, the contexts longer than 512 tokens are cut into pieces
+  that run on different threads and are merged at the end
+  (flash-decoding), so that a few long contexts keep both cores busy. A decode step of 64
   sequences in bfloat16: 1.29x faster than with the reference, 1.19x in
   float32 (bench/results/2026-12-02-vm-profile.md).
 - prefill (csrc/prefill_attention_cpu.cpp): several new tokens per
@@ -26,7 +27,7 @@ in C++. So do the two kernels here:
 
 One exception: in bfloat16 on a CPU with AMX, SDPA's products run on
 oneDNN's AMX tiles, and the reference beats the tiled kernel's float32
-loops once a chunk is long (the kernel: 0.53-0.86x there; still 1.2x
+loops once a chunk is long (the kernel: 0.52-0.92x there; still 1.2x
 where 16 sequences each add 30 tokens after a 1,000-token prefix, as the
 reference's setup is per sequence). So on such a CPU, a bfloat16 chunk of
 at least `AMX_MIN_QUERY` new tokens whose query length x context length is

@@ -1,5 +1,5 @@
-// What the CPU attention kernels share (ch04): a value to float32, and a
-// vector of 16 floats.
+// What the CPU attention kernels share (ch04): a value to float32, a
+// vector of 16 floats, and the threads' queue of tasks.
 //
 // `Vec16` is a GCC/Clang vector extension, not an intrinsic: the compiler
 // lowers `a + b * c` on it to one AVX-512 FMA, or two AVX2 ones, whatever
@@ -8,7 +8,9 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -26,5 +28,18 @@ constexpr int64_t kLanes = 16;
 inline Vec16 load(const float* p) { Vec16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
 inline Vec16 broadcast(float x) { return Vec16{} + x; }
+
+// Tasks 0..num_tasks-1 on the intra-op threads: each thread takes the next
+// one from a shared counter, in that order (the caller sorts them, the
+// costliest first), so that no thread waits long on another's tail.
+// `make_worker()` gives each thread its own buffers; `run(worker, i)` does task i.
+template <typename MakeWorker, typename Run>
+void run_tasks(int64_t num_tasks, MakeWorker make_worker, Run run) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    auto worker = make_worker();
+    for (int64_t i = next++; i < num_tasks; i = next++) run(worker, i);
+  });
+}
 
 }  // namespace cpu_attention

@@ -31,7 +31,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -40,6 +39,7 @@
 namespace {
 
 using cpu_attention::f32;
+using cpu_attention::run_tasks;
 
 constexpr int64_t kTile = 32;    // tokens per tile, at most (fewer at a block's end)
 constexpr int64_t kPiece = 512;  // a longer context is cut into pieces of this many tokens
@@ -238,17 +238,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     auto launch = [&](auto head_dim) {
-      std::atomic<int64_t> next{0};  // the next piece to take
-      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        DecodeOne<scalar_t, decltype(head_dim)::value> one(shape);  // this thread's buffers
-        for (int64_t i = next++; i < int64_t(pieces.size()); i = next++) {
-          const Piece& p = pieces[i];
-          one.run(q + p.seq * per_seq, k, v, tables + p.seq * shape.max_blocks, p.begin, p.end,
-                  static_cast<float>(scale));
-          if (p.index < 0) one.finish(o + p.seq * per_seq);
-          else one.save_piece(&piece_acc[p.index * per_seq], &piece_max[p.index * H],
-                              &piece_total[p.index * H]);
-        }
+      using Worker = DecodeOne<scalar_t, decltype(head_dim)::value>;
+      run_tasks(pieces.size(), [&] { return Worker(shape); }, [&](Worker& one, int64_t i) {
+        const Piece& p = pieces[i];
+        one.run(q + p.seq * per_seq, k, v, tables + p.seq * shape.max_blocks, p.begin, p.end,
+                static_cast<float>(scale));
+        if (p.index < 0) one.finish(o + p.seq * per_seq);
+        else one.save_piece(&piece_acc[p.index * per_seq], &piece_max[p.index * H],
+                            &piece_total[p.index * H]);
       });
     };
     if (shape.head_dim == 64) launch(std::integral_constant<int64_t, 64>());

@@ -34,10 +34,7 @@
 // those to the reference), ALiBi, sliding windows, soft-capping.
 #include "cpu_vec.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -291,16 +288,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     auto launch = [&](auto head_dim) {
-      std::atomic<int64_t> next{0};  // the next task to take
-      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        PrefillTask<scalar_t, decltype(head_dim)::value> worker(layout);  // this thread's buffers
-        for (int64_t i = next++; i < int64_t(tasks.size()); i = next++) {
-          const Task& t = tasks[i];
-          const int64_t start = starts[t.seq];
-          worker.run(t, q + start * token_stride, k, v, tables + t.seq * layout.max_blocks,
-                     lens[t.seq], starts[t.seq + 1] - start, static_cast<float>(scale),
-                     o + start * token_stride);
-        }
+      using Worker = PrefillTask<scalar_t, decltype(head_dim)::value>;
+      run_tasks(tasks.size(), [&] { return Worker(layout); }, [&](Worker& worker, int64_t i) {
+        const Task& t = tasks[i];
+        const int64_t start = starts[t.seq];
+        worker.run(t, q + start * token_stride, k, v, tables + t.seq * layout.max_blocks,
+                   lens[t.seq], starts[t.seq + 1] - start, static_cast<float>(scale),
+                   o + start * token_stride);
       });
     };
     if (query.size(2) == 64) launch(std::integral_constant<int64_t, 64>());

@@ -29,4 +29,5 @@ def engine_parts(config: EngineConfig) -> EngineParts:
 
 if __name__ == "__main__":
     sys.exit(run_chat_server("04", "Chapter 04: paged attention, static batching",
-                             engine_parts))  # ch04: small blocks (--block-size), whole batches
+                             engine_parts,  # ch04: small blocks (--block-size), whole batches
+                             disable_cascade_attn=True))  # chapter 05 adds cascade attention

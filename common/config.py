@@ -174,6 +174,8 @@ class EngineConfig:
     # budget (vLLM: 0, no cap, unless --max-num-partial-prefills > 1).
     long_prefill_token_threshold: int | None = None
     enforce_eager: bool = False  # ch05 on CUDA: no CUDA graphs
+    # ch05: no cascade attention for decodes that share a prefix (vLLM's flag)
+    disable_cascade_attn: bool = False
     # The levers of `vllm serve` (ch08), and speculation (ch07).
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
     tensor_parallel_size: int = 1  # ranks, one process each
@@ -250,6 +252,9 @@ def add_engine_args(parser: argparse.ArgumentParser,
                    help="most prompt tokens one request feeds per step, so that a long "
                         "prompt leaves room for newcomers (ch05; default: half of "
                         "--max-num-batched-tokens; 0: no cap, vLLM's default)")
+    p.add_argument("--disable-cascade-attn", action="store_true",
+                   help="decodes that share a prefix read it each on their own, not once "
+                        "for all (ch05+; cascade attention is on by default, as in vLLM)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (CUDA only; the CPU is always eager)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],

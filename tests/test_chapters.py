@@ -31,6 +31,7 @@ from tests.engine_helpers import make_engine
 ALL = sorted(CHAPTERS)  # "01" .. "09"
 FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--long-prefill-token-threshold": ["64"], "--enforce-eager": [],
+               "--disable-cascade-attn": [],
                "--api-key": ["secret"], "--max-waiting": ["4"], "--disable-fastapi-docs": [],
                "--enable-server-load-tracking": [], "--enable-tokenizer-info-endpoint": [],
                "--max-logprobs": ["30"], "--enable-prompt-tokens-details": [],

@@ -49,6 +49,7 @@ FLAG_CHAPTERS: dict[str, str] = {
     "--live-view": "03", "--record-events": "03", "--kv-events-config": "03",
     "--block-size": "04", "--enable-prefix-caching": "04",  # paged blocks, prefix reuse
     "--long-prefill-token-threshold": "05", "--enforce-eager": "05",  # the scheduler
+    "--disable-cascade-attn": "05",
     "--api-key": "06", "--max-waiting": "06", "--disable-fastapi-docs": "06",  # the API
     "--enable-server-load-tracking": "06", "--enable-tokenizer-info-endpoint": "06",
     "--max-logprobs": "06", "--enable-prompt-tokens-details": "06",
@@ -127,6 +128,7 @@ MODULE_CHAPTERS: dict[str, str] = {
     "common.layers.logits": "03", "common.layers.cpu_gemm": "03",
     "common.layers.elementwise": "03", "common.layers.fused": "03",
     "common.layers.cpu_attention": "03", "common.layers.cpp_extensions": "03",
+    "common.layers.cascade_attention": "03",  # ch05 cascades; the runner asks it from 03
     "common.layers.parallel": "03", "common.layers.quantization": "03",
     "common.core": "03", "common.core.sequence": "03", "common.core.block_manager": "03",
     "common.core.scheduler": "03",

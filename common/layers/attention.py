@@ -13,6 +13,12 @@ on the CPU, decode attention runs in C++: common/layers/cpu_attention.py):
    whose earlier context may already sit in the cache (prefix caching,
    chunked prefill, recompute after preemption).
 
+`paged_attention` runs them for one layer's flat batch. From chapter 05,
+when the step's decodes all begin with the same blocks (a shared prompt,
+found by common/layers/cascade_attention.py), it cascades: the shared
+prefix once for all of them, each suffix on its own, the two parts merged
+by their log-sum-exps (`cascade_attention`, `merge_attn_states`).
+
 Grouped-query attention: query head `h` reads KV head `h // (H / H_kv)`.
 Chapter 03 uses these with `block_size = max_model_len` (one contiguous
 region per sequence); chapter 04 with small blocks. Same code.
@@ -42,6 +48,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, padded with 0
     num_decodes: int  # sequences at the front with one new token
     block_size: int
+    # ch05: blocks at the front of every decode's table that are the same
+    # blocks (a shared prompt); > 0: cascade attention (cascade_attention.py)
+    num_common_prefix_blocks: int = 0
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -123,6 +132,35 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
+def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
+                      suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
+    """Two parts of one softmax attention -> the whole (ch05, vLLM's name).
+    *_out: (S, H, D), each normalized over its own keys; *_lse: (S, H)."""
+    lse = torch.logaddexp(prefix_lse, suffix_lse)  # (S, H): over all the keys
+    prefix_weight = (prefix_lse - lse).exp()[..., None]  # (S, H, 1): the prefix's share
+    suffix_weight = (suffix_lse - lse).exp()[..., None]
+    merged = prefix_out.float() * prefix_weight + suffix_out.float() * suffix_weight
+    return merged.to(prefix_out.dtype)
+
+
+def cascade_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      num_common_blocks: int, scale: float, ops) -> torch.Tensor:
+    """Decode attention for sequences whose first `num_common_blocks` blocks
+    are the same (ch05): the same arguments and result as
+    `paged_decode_attention`. `ops`: where the kernels of the two parts
+    and of their merge are (`shared_prefix_attention`,
+    `paged_decode_attention_lse`, `merge_attn_states`; the reference of the
+    first two: common/layers/cascade_attention.py, of the third: above)."""
+    prefix_len = num_common_blocks * k_cache.shape[1]
+    prefix_out, prefix_lse = ops.shared_prefix_attention(
+        query, k_cache, v_cache, block_tables[0, :num_common_blocks], scale)
+    suffix_out, suffix_lse = ops.paged_decode_attention_lse(
+        query, k_cache, v_cache, block_tables[:, num_common_blocks:],
+        context_lens - prefix_len, scale)
+    return ops.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
@@ -136,16 +174,27 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ops.store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
     d = meta.num_decodes  # rows 0..d-1: one token each, batched together
     if d == query.shape[0]:
-        return ops.paged_decode_attention(query, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale)
+        return decode_attention(query, k_cache, v_cache, meta, scale, ops)
     out = torch.empty_like(query)
     if d > 0:
-        out[:d] = ops.paged_decode_attention(query[:d], k_cache, v_cache,
-                                             meta.block_tables[:d], meta.context_lens[:d], scale)
+        out[:d] = decode_attention(query[:d], k_cache, v_cache, meta, scale, ops)
     out[d:] = ops.paged_prefill_attention(query[d:], k_cache, v_cache, meta.block_tables[d:],
                                           meta.query_start_loc[d:] - d,
                                           meta.context_lens[d:], scale)
     return out
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
+    """The step's decodes, query: (num_decodes, H, D): cascaded where they
+    share a prefix (ch05), else each over its own context."""
+    d = meta.num_decodes
+    if meta.num_common_prefix_blocks:  # ch05: the shared prefix read once
+        return cascade_attention(query, k_cache, v_cache, meta.block_tables[:d],
+                                 meta.context_lens[:d], meta.num_common_prefix_blocks,
+                                 scale, ops)
+    return ops.paged_decode_attention(query, k_cache, v_cache, meta.block_tables[:d],
+                                      meta.context_lens[:d], scale)
 
 
 class TorchOps:

@@ -24,6 +24,10 @@ in C++. So do the two kernels here:
   blocks, scores and values as small register-tiled products, an online
   softmax; the keys a tile's rows cannot see are never read.
   bench/profiles/prefill_attention.py times it against the reference.
+- cascade attention's two parts (ch05, common/layers/cascade_attention.py):
+  the prefill kernel's tiles with every decode query against one shared
+  prefix, and the decode kernel over each suffix, both also returning each
+  head's log-sum-exp.
 
 One exception: in bfloat16 on a CPU with AMX, SDPA's products run on
 oneDNN's AMX tiles, and the reference beats the tiled kernel's float32
@@ -53,7 +57,7 @@ import functools
 
 import torch
 
-from common.layers import cpp_extensions
+from common.layers import cascade_attention, cpp_extensions
 from common.layers.attention import TorchOps
 from common.loader import cpu_bf16_flags
 
@@ -99,13 +103,36 @@ def build_extensions():
 
 
 class CpuOps(TorchOps):
-    """The reference's store; decode and prefill attention in C++."""
+    """The reference's store; decode and prefill attention in C++; and the
+    two parts of cascade attention (ch05, common/layers/cascade_attention.py)."""
 
     @staticmethod
     def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
         """Same arguments and result as attention.paged_decode_attention."""
         return build_extension().paged_decode_attention(query, k_cache, v_cache, block_tables,
                                                         context_lens, scale)
+
+    @staticmethod
+    def paged_decode_attention_lse(query, k_cache, v_cache, block_tables, context_lens, scale):
+        """Cascade's suffix: the decode kernel, with each head's log-sum-exp."""
+        return build_extension().paged_decode_attention_lse(query, k_cache, v_cache,
+                                                            block_tables, context_lens, scale)
+
+    @staticmethod
+    def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse):
+        """Cascade's merge (attention.merge_attn_states), one loop in C++."""
+        return build_extension().merge_attn_states(prefix_out, prefix_lse, suffix_out,
+                                                   suffix_lse)
+
+    @staticmethod
+    def shared_prefix_attention(query, k_cache, v_cache, prefix_blocks, scale):
+        """Cascade's prefix: the prefill kernel's tiles, every query against
+        the same blocks, no mask; with each head's log-sum-exp."""
+        if query.shape[-1] not in TILED_HEAD_DIMS:
+            return cascade_attention.shared_prefix_attention(query, k_cache, v_cache,
+                                                             prefix_blocks, scale)
+        return build_prefill_extension().shared_prefix_attention(query, k_cache, v_cache,
+                                                                 prefix_blocks, scale)
 
     @staticmethod
     def paged_prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc,

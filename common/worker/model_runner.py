@@ -40,6 +40,7 @@ from common.worker.kv_cache import KVCache
 from common.core.scheduler import ScheduledSeq
 from common.core.sequence import Sequence
 from common.layers.attention import AttentionMetadata
+from common.layers.cascade_attention import num_common_prefix_blocks
 from common.layers.sampler import SampledToken, Sampler, SamplingFailed, prompt_token_logprobs
 
 SampledTokens = dict[Sequence, list[SampledToken] | SamplingFailed]
@@ -81,6 +82,7 @@ class StepInputs:
     block_size: int
     sample_rows: list[int]  # rows of the hidden states that go through the LM head
     prompt_logprob_rows: list[int]  # ch06: more rows through it, for prompt logprobs
+    num_common_prefix_blocks: int = 0  # ch05: the decodes' shared blocks (cascade attention)
 
     def to_tensors(self, device: torch.device):
         def tensor(values, dtype):
@@ -91,19 +93,23 @@ class StepInputs:
             query_start_loc=tensor(self.query_start_loc, torch.int32),  # (num_seqs + 1,)
             context_lens=tensor(self.context_lens, torch.int32),  # (num_seqs,)
             block_tables=tensor(self.block_tables, torch.int32),  # (num_seqs, max_blocks)
-            num_decodes=self.num_decodes, block_size=self.block_size)
+            num_decodes=self.num_decodes, block_size=self.block_size,
+            num_common_prefix_blocks=self.num_common_prefix_blocks)
         return tensor(self.input_ids, torch.long), tensor(self.positions, torch.long), meta
 
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, workers=None,
                  sampling: "PlainSampling | None" = None,
-                 logits_processors: tuple[LogitsProcessor, ...] = ()):
+                 logits_processors: tuple[LogitsProcessor, ...] = (),
+                 cascade_attention: bool = False):
         """`model`: the forward pass (common.models.build_forward), on this
         rank's share of the weights. `workers` (ch08): on rank 0 the other
         ranks (tp_workers.TPWorkers), which run every step too. `sampling`
         and `logits_processors`: the chapter's sampling step and what
-        changes the logits before it (common/engine/parts.py)."""
+        changes the logits before it (common/engine/parts.py).
+        `cascade_attention` (ch05): look for the decodes' shared prefix at
+        every step (common/layers/cascade_attention.py)."""
         self.model = model
         self.workers = workers
         self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
@@ -112,6 +118,7 @@ class ModelRunner:
         self.device = next(model.hf.parameters()).device
         self.sampling = sampling or PlainSampling()  # ch07: SpeculativeSampling with drafts
         self.logits_processors = tuple(logits_processors)  # ch07: the grammar's masks
+        self.cascade_attention = cascade_attention  # ch05
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
@@ -133,11 +140,15 @@ class ModelRunner:
         max_blocks = max(len(item.seq.block_table) for item in batch)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
+        num_decodes = sum(1 for item in batch if item.num_new_tokens == 1)
+        common = 0
+        if self.cascade_attention:  # ch05: the blocks every decode begins with
+            common = num_common_prefix_blocks(tables[:num_decodes], context_lens[:num_decodes],
+                                              self.block_size)
         return StepInputs(
             input_ids, positions, slots, query_start, context_lens, tables,
-            num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
-            block_size=self.block_size, sample_rows=sample_rows,
-            prompt_logprob_rows=prompt_rows)
+            num_decodes=num_decodes, block_size=self.block_size, sample_rows=sample_rows,
+            prompt_logprob_rows=prompt_rows, num_common_prefix_blocks=common)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:

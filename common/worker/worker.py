@@ -41,6 +41,7 @@ from common.layers.parallel import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from common.layers.cascade_attention import supports_cascade
 from common.layers.quantization import CpuPackedQuantOps, QuantScheme, quantize_linears
 from common.loader import LoadedModel, load_model, pick_device
 from common.memory import Card, format_bytes
@@ -173,7 +174,9 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
         log.info(line)
     num_blocks = tp.min_over_ranks(room)  # ch08: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
-    runner = ModelRunner(forward, kv_cache, workers, sampling, logits_processors)
+    cascade = not config.disable_cascade_attn and supports_cascade(forward.attention_ops)
+    runner = ModelRunner(forward, kv_cache, workers, sampling, logits_processors,
+                         cascade_attention=cascade)  # ch05: where the kernels have it
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
             and world_size == 1:  # ch05: graphs need the Triton kernels, and one rank
         runner.capture_decode_graphs(config.max_num_seqs,

@@ -20,6 +20,9 @@
 // query heads of its group (grouped-query attention). While a tile is being
 // computed, the next one's rows are prefetched: the blocks are scattered, so
 // the hardware cannot guess where the next one is (1.2x at 180 tokens).
+// For cascade attention (ch05), `paged_decode_attention_lse` also returns
+// each head's log-sum-exp (max + log(sum)), and `merge_attn_states` joins
+// the suffix's result with the shared prefix's.
 // head_dim 64 and 128 are compiled as constants (the loops unroll, q and the
 // output stay in registers); other sizes take the generic version.
 //
@@ -91,13 +94,15 @@ struct DecodeOne {
     }
   }
 
-  // A whole context: the output, normalized.
-  void finish(scalar_t* out) const {
+  // A whole context: the output, normalized; and, when asked (`lse` not
+  // null), each head's log-sum-exp of its scores, for cascade attention.
+  void finish(scalar_t* out, float* lse) const {
     const int64_t H = shape.num_heads, D = shape.head_dim;
     for (int64_t h = 0; h < H; ++h) {
       const float inv = 1.f / total[h];
       for (int64_t d = 0; d < D; ++d)
         out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+      if (lse) lse[h] = running_max[h] + std::log(total[h]);
     }
   }
 
@@ -186,10 +191,11 @@ std::vector<Piece> plan_pieces(const int32_t* context_lens, int64_t num_seqs,
 }
 
 // One sequence's pieces -> its output: every piece's sums rescaled to the
-// largest maximum among them, added, divided by the added totals.
+// largest maximum among them, added, divided by the added totals (and the
+// log-sum-exp of each head's scores where `lse` is not null).
 template <typename scalar_t>
 void merge_pieces(const float* acc, const float* maxima, const float* totals,
-                  int64_t num_pieces, int64_t H, int64_t D, scalar_t* out) {
+                  int64_t num_pieces, int64_t H, int64_t D, scalar_t* out, float* lse) {
   std::vector<float> sum(D);
   for (int64_t h = 0; h < H; ++h) {
     float m = -std::numeric_limits<float>::infinity();
@@ -202,14 +208,17 @@ void merge_pieces(const float* acc, const float* maxima, const float* totals,
       for (int64_t d = 0; d < D; ++d) sum[d] += acc[(p * H + h) * D + d] * w;
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(sum[d] / total);
+    if (lse) lse[h] = m + std::log(total);
   }
 }
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+// The output (S, H, D); and where `lse` is defined, (S, H) float32, each
+// head's log-sum-exp of its scaled scores.
+torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                     torch::Tensor lse) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query (S, H, D), cache (N, B, H_kv, D)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
@@ -237,13 +246,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    float* l = lse.defined() ? lse.data_ptr<float>() : nullptr;
     auto launch = [&](auto head_dim) {
       using Worker = DecodeOne<scalar_t, decltype(head_dim)::value>;
       run_tasks(pieces.size(), [&] { return Worker(shape); }, [&](Worker& one, int64_t i) {
         const Piece& p = pieces[i];
         one.run(q + p.seq * per_seq, k, v, tables + p.seq * shape.max_blocks, p.begin, p.end,
                 static_cast<float>(scale));
-        if (p.index < 0) one.finish(o + p.seq * per_seq);
+        if (p.index < 0) one.finish(o + p.seq * per_seq, l ? l + p.seq * H : nullptr);
         else one.save_piece(&piece_acc[p.index * per_seq], &piece_max[p.index * H],
                             &piece_total[p.index * H]);
       });
@@ -256,14 +266,65 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
         const int64_t first = first_piece[s];
         if (first < 0) continue;
         merge_pieces(&piece_acc[first * per_seq], &piece_max[first * H], &piece_total[first * H],
-                     (lens[s] + kPiece - 1) / kPiece, H, D, o + s * per_seq);
+                     (lens[s] + kPiece - 1) / kPiece, H, D, o + s * per_seq,
+                     l ? l + s * H : nullptr);
       }
     });
   });
   return out;
 }
 
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  return decode(query, k_cache, v_cache, block_tables, context_lens, scale, torch::Tensor());
+}
+
+// Cascade attention's suffix part (ch05): the output and its log-sum-exp.
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_attention_lse(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+    torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  auto lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
+  return {decode(query, k_cache, v_cache, block_tables, context_lens, scale, lse), lse};
+}
+
+// Cascade attention's last step (ch05): two parts of one softmax attention,
+// each normalized over its own keys, -> the whole, weighted by their
+// log-sum-exps. out_*: (S, H, D); lse_*: (S, H) float32.
+torch::Tensor merge_attn_states(torch::Tensor prefix_out, torch::Tensor prefix_lse,
+                                torch::Tensor suffix_out, torch::Tensor suffix_lse) {
+  TORCH_CHECK(prefix_out.sizes() == suffix_out.sizes() && prefix_out.dim() == 3,
+              "both parts (S, H, D)");
+  TORCH_CHECK(prefix_lse.scalar_type() == torch::kFloat && suffix_lse.scalar_type() == torch::kFloat,
+              "log-sum-exps: float32");
+  prefix_out = prefix_out.contiguous();
+  suffix_out = suffix_out.contiguous();
+  prefix_lse = prefix_lse.contiguous();
+  suffix_lse = suffix_lse.contiguous();
+  auto out = torch::empty_like(prefix_out);
+  const int64_t rows = prefix_out.size(0) * prefix_out.size(1), D = prefix_out.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "merge", [&] {
+    const scalar_t* a = prefix_out.data_ptr<scalar_t>();
+    const scalar_t* b = suffix_out.data_ptr<scalar_t>();
+    const float* la = prefix_lse.data_ptr<float>();
+    const float* lb = suffix_lse.data_ptr<float>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {  // r: one (sequence, head)
+      const float m = std::max(la[r], lb[r]);
+      const float wa = std::exp(la[r] - m), wb = std::exp(lb[r] - m);
+      const float inv = 1.f / (wa + wb);
+      for (int64_t d = 0; d < D; ++d)
+        o[r * D + d] = static_cast<scalar_t>((f32(a[r * D + d]) * wa + f32(b[r * D + d]) * wb) * inv);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("merge_attn_states", &merge_attn_states,
+        "Two parts of one attention, merged by their log-sum-exps (cascade attention)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention reading the paged KV cache in place (CPU)");
+  m.def("paged_decode_attention_lse", &paged_decode_attention_lse,
+        "The same, with each head's log-sum-exp (cascade attention's suffix)");
 }

@@ -29,6 +29,11 @@
 // costliest first (rows x keys seen): a chunk's last tiles see the most
 // keys, and no thread waits long on another's tail.
 //
+// The same tiles serve cascade attention's shared prefix (ch05,
+// common/layers/cascade_attention.py): `shared_prefix_attention` puts every
+// decode query of a step against the blocks they all begin with, no mask,
+// and also returns each row's log-sum-exp, max + log(sum), for the merge.
+//
 // Left out: AMX and AVX512-BF16 dot products (bfloat16 is widened to float32
 // as it is staged), head_dim other than 64 and 128 (the Python side sends
 // those to the reference), ALiBi, sliding windows, soft-capping.
@@ -37,6 +42,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,6 +79,7 @@ constexpr int64_t padded(int64_t rows) {  // whole register tiles of rows
 // kHeadDim: 64 or 128, known at compile time so that the register tiles unroll.
 template <typename scalar_t, int64_t kHeadDim>
 struct PrefillTask {
+  using Scalar = scalar_t;
   static constexpr int64_t D = kHeadDim;
   static constexpr int64_t kDimVecs = D / kLanes;
   static constexpr int64_t kValueRows = 16 / kDimVecs;  // rows per register tile of step 4
@@ -95,16 +103,17 @@ struct PrefillTask {
   }
 
   // Row r = token t of the tile, query head g * group + k, with r = t * group + k.
+  // Token 0 of the tile sits at `first_pos`, token t at first_pos + t, and
+  // sees the keys 0..its position; the tile reads the first `keys_seen` keys.
+  // `lse` (or null): each row's log-sum-exp of its scores, (tokens, H).
   void run(const Task& task, const scalar_t* query, const scalar_t* k_cache,
-           const scalar_t* v_cache, const int32_t* blocks, int64_t context_len,
-           int64_t query_len, float scale, scalar_t* output) {
-    const int64_t group = layout.group(), rows = task.num_tokens * group;
-    const int64_t first_pos = context_len - query_len + task.first_token;  // token 0's position
+           const scalar_t* v_cache, const int32_t* blocks, int64_t first_pos,
+           int64_t keys_seen, float scale, scalar_t* output, float* lse) {
+    const int64_t rows = task.num_tokens * layout.group();
     load_queries(task, query, scale, rows);
     std::fill(out, out + padded(rows) * D, 0.f);
     std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
     std::fill(row_sum, row_sum + rows, 0.f);
-    const int64_t keys_seen = first_pos + task.num_tokens;  // by the tile's last row
     for (int64_t first_key = 0; first_key < keys_seen; first_key += kKeyTile) {
       const int64_t n = std::min(kKeyTile, keys_seen - first_key);
       stage_keys(task.kv_head, k_cache, v_cache, blocks, first_key, n);
@@ -112,7 +121,7 @@ struct PrefillTask {
       softmax_rows(rows, first_key, n, first_pos);
       add_values(rows, n);
     }
-    store_output(task, output, rows);
+    store_output(task, output, lse, rows);
   }
 
   void load_queries(const Task& task, const scalar_t* query, float scale, int64_t rows) {
@@ -228,13 +237,14 @@ struct PrefillTask {
     }
   }
 
-  void store_output(const Task& task, scalar_t* output, int64_t rows) {
+  void store_output(const Task& task, scalar_t* output, float* lse, int64_t rows) {
     const int64_t group = layout.group(), H = layout.num_heads;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = r / group, head = task.kv_head * group + r % group;
       scalar_t* dst = output + ((task.first_token + t) * H + head) * D;
       const float inv = 1.f / row_sum[r];
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(out[r * D + d] * inv);
+      if (lse) lse[(task.first_token + t) * H + head] = row_max[r] + std::log(row_sum[r]);
     }
   }
 };
@@ -256,20 +266,52 @@ std::vector<Task> plan_tasks(const int32_t* query_start_loc, const int32_t* cont
   return tasks;
 }
 
+// Cascade attention's shared prefix (ch05): every query against the same
+// keys, no mask, so a task's cost is its rows. Query tiles small enough
+// that each thread gets at least two tasks (a decode batch is a few dozen
+// queries: with tiles of kQueryTile, 3 KV heads would be 3 tasks for 2 threads).
+std::vector<Task> plan_prefix_tasks(int64_t num_queries, int64_t num_kv_heads,
+                                    int64_t num_threads) {
+  const int64_t tiles = std::max<int64_t>(1, (2 * num_threads + num_kv_heads - 1) / num_kv_heads);
+  const int64_t tile = std::clamp<int64_t>((num_queries + tiles - 1) / tiles, 1, kQueryTile);
+  std::vector<Task> tasks;
+  for (int64_t t0 = 0; t0 < num_queries; t0 += tile)
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const int64_t n = std::min(tile, num_queries - t0);
+      tasks.push_back({0, t0, n, g, n});
+    }
+  return tasks;
+}
+
+void check_cache(const torch::Tensor& query, const torch::Tensor& k_cache,
+                 const torch::Tensor& v_cache) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query (T, H, D), cache (N, B, H_kv, D)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads: a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim 64 or 128");
+}
+
+// `fn(worker)` with a null pointer of the worker type for the query's
+// dtype and head_dim (the type is what counts).
+template <typename Fn>
+void dispatch(const torch::Tensor& query, Fn fn) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "prefill", [&] {
+    if (query.size(2) == 64) fn(static_cast<PrefillTask<scalar_t, 64>*>(nullptr));
+    else fn(static_cast<PrefillTask<scalar_t, 128>*>(nullptr));
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_tables,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
                                       double scale) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query (T, H, D), cache (N, B, H_kv, D)");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  check_cache(query, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32 &&
               context_lens.scalar_type() == torch::kInt32,
               "block tables, query starts, lengths: int32");
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads: a multiple of KV heads");
-  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim 64 or 128");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   query_start_loc = query_start_loc.contiguous();
@@ -281,29 +323,63 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
   const std::vector<Task> tasks = plan_tasks(starts, lens, context_lens.size(0),
                                              layout.num_kv_heads);
   const int64_t token_stride = layout.num_heads * query.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "prefill", [&] {
+  dispatch(query, [&](auto* type) {
+    using Worker = std::remove_pointer_t<decltype(type)>;
+    using scalar_t = typename Worker::Scalar;
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = k_cache.data_ptr<scalar_t>();
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    auto launch = [&](auto head_dim) {
-      using Worker = PrefillTask<scalar_t, decltype(head_dim)::value>;
-      run_tasks(tasks.size(), [&] { return Worker(layout); }, [&](Worker& worker, int64_t i) {
-        const Task& t = tasks[i];
-        const int64_t start = starts[t.seq];
-        worker.run(t, q + start * token_stride, k, v, tables + t.seq * layout.max_blocks,
-                   lens[t.seq], starts[t.seq + 1] - start, static_cast<float>(scale),
-                   o + start * token_stride);
-      });
-    };
-    if (query.size(2) == 64) launch(std::integral_constant<int64_t, 64>());
-    else launch(std::integral_constant<int64_t, 128>());
+    run_tasks(tasks.size(), [&] { return Worker(layout); }, [&](Worker& worker, int64_t i) {
+      const Task& t = tasks[i];
+      const int64_t start = starts[t.seq], query_len = starts[t.seq + 1] - start;
+      const int64_t first_pos = lens[t.seq] - query_len + t.first_token;
+      worker.run(t, q + start * token_stride, k, v, tables + t.seq * layout.max_blocks,
+                 first_pos, first_pos + t.num_tokens, static_cast<float>(scale),
+                 o + start * token_stride, nullptr);
+    });
   });
   return out;
+}
+
+// Cascade attention's shared prefix (ch05): each of S decode queries
+// against the same prefix, `prefix_blocks` (int32) whole blocks, no mask.
+// Returns the output (S, H, D) and each head's log-sum-exp (S, H) float32.
+std::tuple<torch::Tensor, torch::Tensor> shared_prefix_attention(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+    torch::Tensor prefix_blocks, double scale) {
+  check_cache(query, k_cache, v_cache);
+  TORCH_CHECK(prefix_blocks.scalar_type() == torch::kInt32, "prefix blocks: int32");
+  query = query.contiguous();
+  prefix_blocks = prefix_blocks.contiguous();
+  auto out = torch::empty_like(query);
+  auto lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
+  const Layout layout{query.size(1), k_cache.size(2), k_cache.size(1), prefix_blocks.size(0)};
+  const int64_t prefix_len = prefix_blocks.size(0) * layout.block_size;
+  const std::vector<Task> tasks = plan_prefix_tasks(query.size(0), layout.num_kv_heads,
+                                                    at::get_num_threads());
+  dispatch(query, [&](auto* type) {
+    using Worker = std::remove_pointer_t<decltype(type)>;
+    using scalar_t = typename Worker::Scalar;
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v = v_cache.data_ptr<scalar_t>();
+    const int32_t* blocks = prefix_blocks.data_ptr<int32_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    float* l = lse.data_ptr<float>();
+    run_tasks(tasks.size(), [&] { return Worker(layout); }, [&](Worker& worker, int64_t i) {
+      // Every query "after" the prefix: its last key is the prefix's last.
+      worker.run(tasks[i], q, k, v, blocks, prefix_len - 1, prefix_len,
+                 static_cast<float>(scale), o, l);
+    });
+  });
+  return {out, lse};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention reading the paged KV cache in place, in tiles (CPU)");
+  m.def("shared_prefix_attention", &shared_prefix_attention,
+        "Every query against one shared prefix, with log-sum-exps (cascade attention)");
 }

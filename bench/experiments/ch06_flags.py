@@ -64,7 +64,7 @@ def markdown(rec: dict) -> str:
              f"Measured {rec['date']} on {m['cpu']} ({m['cores']} cores, {bf16_words(m)}), "
              f"{rec['dtype']}; {rec['minutes']:.1f} min.",
              f"Command: `{rec['command']}`. Before: `{rec['before'] or '(the defaults)'}`; "
-             f"after: `{rec['after']}`. Card {rec['card_gb']} GiB each, {rec['alternations']} "
+             f"after: `{rec['after'] or '(the defaults)'}`. Card {rec['card_gb']} GiB each, {rec['alternations']} "
              f"alternated pairs of runs, each {run_length} of steady state.", "",
              "| load | before tok/s | after tok/s | after / before (each pair) | median "
              "| TTFT p50 before / after s | ITL p50 before / after ms | prefix hits before / after |",

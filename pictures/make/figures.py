@@ -70,6 +70,7 @@ RENDERERS = {
     "bench.profiles.live_view_cost": "bench.profiles.live_view_cost.markdown",
     "bench.profiles.prefill_attention": "bench.profiles.prefill_attention.markdown",
     "bench.profiles.decode_attention": "bench.profiles.decode_attention.markdown",
+    "bench.profiles.cascade_attention": "bench.profiles.cascade_attention.markdown",
     "bench.profiles.serve_profile": "bench.profiles.serve_profile.markdown",
     "bench.experiments.ch06_flags": "bench.experiments.ch06_flags.markdown",
     "bench.experiments.spec_decode": "bench.experiments.spec_decode.markdown",

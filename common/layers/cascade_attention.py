@@ -54,7 +54,8 @@ def num_common_prefix_blocks(block_tables: list[list[int]], context_lens: list[i
     if len(block_tables) < MIN_DECODES:
         return 0
     first = block_tables[0]
-    limit = min((length - 1) // block_size for length in context_lens)  # whole blocks before the last
+    # whole blocks before each one's last
+    limit = min((length - 1) // block_size for length in context_lens)
     common = 0
     while common < limit and all(table[common] == first[common] for table in block_tables):
         common += 1
@@ -92,8 +93,9 @@ def paged_decode_attention_lse(query: torch.Tensor, k_cache: torch.Tensor,
     keys = gather_kv(k_cache, slots).repeat_interleave(group, dim=2).float()  # (S, L, H, D)
     values = gather_kv(v_cache, slots).repeat_interleave(group, dim=2).float()
     scores = torch.einsum("shd,slhd->shl", query.float(), keys) * scale  # (S, H, L)
-    past_end = torch.arange(max_len)[None, :] >= context_lens[:, None].cpu()  # (S, L)
-    scores = scores.masked_fill(past_end[:, None, :].to(scores.device), float("-inf"))
+    positions = torch.arange(max_len, device=query.device)
+    past_end = positions[None, :] >= context_lens[:, None]  # (S, L)
+    scores = scores.masked_fill(past_end[:, None, :], float("-inf"))
     lse = scores.logsumexp(-1)  # (S, H)
     out = torch.einsum("shl,slhd->shd", (scores - lse[..., None]).exp(), values)
     return out.to(query.dtype), lse

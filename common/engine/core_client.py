@@ -310,7 +310,7 @@ class AsyncMPClient(EngineClient):
             raise EngineDeadError(f"engine core {engine.index} does not take requests") from None
 
     def _submit_add(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float, lora_request=None) -> None:
         engine = min(self.engines, key=lambda e: (len(e.unfinished), e.counts.num_added))
         engine.unfinished.add(request_id)
         engine.counts.num_added += 1
@@ -320,8 +320,10 @@ class AsyncMPClient(EngineClient):
                               arrival_time=arrival_time)
             self._mirrors[request_id] = mirror
             self._output_processor.add(mirror)
+        lora = None if lora_request is None else [  # ch10: the adapter, as plain values
+            lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path]
         self._send_to(engine, [int(EngineCoreRequestType.ADD), request_id, prompt_token_ids,
-                               params, arrival_time])
+                               params, arrival_time, lora])
 
     def _submit_abort(self, request_id: str) -> None:
         self._forget_mirror(request_id)

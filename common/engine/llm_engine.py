@@ -63,6 +63,14 @@ log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
 
 
+def lora_id(lora_request) -> int:
+    """ch10: a request's adapter id: 0 for none; a LoRARequest's, or the
+    second of [name, id, path] (how chapter 09's engine process gets it)."""
+    if lora_request is None:
+        return 0
+    return lora_request[1] if isinstance(lora_request, list) else lora_request.lora_int_id
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, worker: Worker,
                  scheduler: Scheduler, output_processor: OutputProcessor,
@@ -152,12 +160,16 @@ class LLMEngine:
         self.admission.check(num_prompt_tokens, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    lora_request=None) -> None:
         """Queue a request that `check_request` accepted. `arrival_time`
         (`time.monotonic()`, default now): when it reached the engine's
-        async front; its time to first token, e2e and queue times run from it."""
+        async front; its time to first token, e2e and queue times run from it.
+        `lora_request` (ch10): the adapter it runs with (a LoRARequest)."""
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if lora_request is not None:  # ch10: known to the slots, loaded once
+            self.worker.model_runner.adapters.add_adapter(lora_request)
         seed = params.seed
         if seed is None:  # unseeded requests still draw reproducibly per engine
             self._seed_counter += 1  # ch09: engine N's seeds shifted from engine 0's
@@ -167,7 +179,8 @@ class LLMEngine:
             params, prompt_token_ids, self.loaded.model.config.vocab_size,
             sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                       lora_int_id=lora_id(lora_request))
         if params.structured_outputs is not None:  # ch07: its own matcher
             seq.structured_output = self.structured_output.grammar_for(params.structured_outputs)
         self.sequences[request_id] = seq

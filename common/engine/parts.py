@@ -60,6 +60,9 @@ class EngineParts:
     # the observers: the figures, and the frames a viewer watches
     stats_collector_cls: type[StatsCollector] = StatsCollector
     step_events_cls: type[StepEvents] = StepEvents
+    # ch10: the LoRA slots beside the model's products (a partial of
+    # common/lora/model_manager.py's LoRAModelManager), None: no adapters
+    adapters_cls: Callable | None = None
 
 
 def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
@@ -91,7 +94,8 @@ def assemble_engine(config: EngineConfig, parts: EngineParts = EngineParts(), *,
     build = partial(build_worker, config, 0, block_size, num_blocks, loaded=loaded,
                     model_shared=shared, attention_ops=attention_ops, quant_ops=quant_ops,
                     sampling=parts.sampling_cls(),
-                    logits_processors=(structured_output,) if structured_output else ())
+                    logits_processors=(structured_output,) if structured_output else (),
+                    adapters_cls=parts.adapters_cls)
     tp_workers = None
     if config.tensor_parallel_size > 1:  # ch08: ranks 1..N-1, a process each
         from common.worker.tp_workers import start_ranks

@@ -40,7 +40,7 @@ CHAPTER_FOLDERS: dict[str, str] = {
     "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
     "04": "04-paged-attention", "05": "05-continuous-batching", "06": "06-openai-server",
     "07": "07-structured-and-speculative", "08": "08-levers-and-the-real-vllm",
-    "09": "09-scale-out",
+    "09": "09-scale-out", "10": "10-adapters",
 }
 
 # The flags each chapter adds (those every chapter takes are not listed).
@@ -56,6 +56,8 @@ FLAG_CHAPTERS: dict[str, str] = {
     "--speculative-config": "07",  # n-gram speculative decoding
     "--quantization": "08", "--tensor-parallel-size": "08",  # the levers
     "--engine-core": "09", "--data-parallel-size": "09",  # scale out
+    "--enable-lora": "10", "--lora-modules": "10", "--max-loras": "10",  # adapters
+    "--max-lora-rank": "10", "--max-cpu-loras": "10",
 }
 
 # The request fields each chapter adds (chapter 01 takes messages,
@@ -163,6 +165,10 @@ MODULE_CHAPTERS: dict[str, str] = {
     "common.engine.serial": "09",
     "common.entrypoints.router": "09",
     "common.entrypoints.routing": "09", "common.entrypoints.ray_replicas": "09",
+    # 10: adapters
+    "common.lora": "10", "common.lora.request": "10", "common.lora.lora_model": "10",
+    "common.lora.punica": "10", "common.lora.layers": "10", "common.lora.scheduler": "10",
+    "common.lora.model_manager": "10",
 }
 
 # The libraries a chapter brings in (imported by no earlier chapter).

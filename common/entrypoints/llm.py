@@ -61,8 +61,9 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list, sampling_params:
                  SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+        `lora_request` (ch10): a LoRARequest for every prompt, or one each."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -72,11 +73,12 @@ class LLM:
             token_ids = self._to_ids(prompt)
             self.engine.check_request(len(token_ids), p)  # all refused before any runs
             requests.append((token_ids, replace(p, output_kind=RequestOutputKind.FINAL_ONLY)))
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         ids = []
-        for token_ids, p in requests:
+        for (token_ids, p), lora in zip(requests, loras):
             self._counter += 1
             request_id = str(self._counter)
-            self.engine.add_request(request_id, token_ids, p)
+            self.engine.add_request(request_id, token_ids, p, lora_request=lora)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -111,8 +113,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """One conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)

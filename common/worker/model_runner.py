@@ -30,7 +30,7 @@ of prefill steps, CUDA graphs together with tensor parallelism.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -83,6 +83,7 @@ class StepInputs:
     sample_rows: list[int]  # rows of the hidden states that go through the LM head
     prompt_logprob_rows: list[int]  # ch06: more rows through it, for prompt logprobs
     num_common_prefix_blocks: int = 0  # ch05: the decodes' shared blocks (cascade attention)
+    token_lora_ids: list[int] = field(default_factory=list)  # ch10: each token's adapter, 0: none
 
     def to_tensors(self, device: torch.device):
         def tensor(values, dtype):
@@ -98,18 +99,31 @@ class StepInputs:
         return tensor(self.input_ids, torch.long), tensor(self.positions, torch.long), meta
 
 
+class NoAdapters:
+    """Chapters 03-09: every token runs the base model. Chapter 10 plugs in
+    common/lora/model_manager.py's `LoRAModelManager` instead."""
+
+    def prepare(self, token_lora_ids: list[int], device: torch.device) -> None:
+        pass
+
+    def add_adapter(self, request) -> None:
+        raise ValueError(f"adapter {request.lora_name!r}: LoRA is not enabled (--enable-lora)")
+
+
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, workers=None,
                  sampling: "PlainSampling | None" = None,
                  logits_processors: tuple[LogitsProcessor, ...] = (),
-                 cascade_attention: bool = False):
+                 cascade_attention: bool = False, adapters=None):
         """`model`: the forward pass (common.models.build_forward), on this
         rank's share of the weights. `workers` (ch08): on rank 0 the other
         ranks (tp_workers.TPWorkers), which run every step too. `sampling`
         and `logits_processors`: the chapter's sampling step and what
         changes the logits before it (common/engine/parts.py).
         `cascade_attention` (ch05): look for the decodes' shared prefix at
-        every step (common/layers/cascade_attention.py)."""
+        every step (common/layers/cascade_attention.py). `adapters` (ch10):
+        the LoRA slots, told before each forward pass which token runs with
+        which adapter (default: none, `NoAdapters`)."""
         self.model = model
         self.workers = workers
         self.graphs: DecodeGraphs | None = None  # ch05 on CUDA: capture_decode_graphs()
@@ -119,11 +133,12 @@ class ModelRunner:
         self.sampling = sampling or PlainSampling()  # ch07: SpeculativeSampling with drafts
         self.logits_processors = tuple(logits_processors)  # ch07: the grammar's masks
         self.cascade_attention = cascade_attention  # ch05
+        self.adapters = adapters or NoAdapters()  # ch10
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The batch's inputs as lists. `batch` must list decodes (1 token) first."""
         input_ids, positions, slots, query_start, context_lens = [], [], [], [0], []
-        sample_rows, prompt_rows = [], []
+        sample_rows, prompt_rows, token_lora_ids = [], [], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -132,6 +147,7 @@ class ModelRunner:
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size
                              + pos % self.block_size)
             positions += range(start, end)
+            token_lora_ids += [seq.lora_int_id] * item.num_new_tokens  # ch10
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
             sample_rows += range(query_start[-1] - item.num_logits_rows, query_start[-1])
@@ -148,7 +164,8 @@ class ModelRunner:
         return StepInputs(
             input_ids, positions, slots, query_start, context_lens, tables,
             num_decodes=num_decodes, block_size=self.block_size, sample_rows=sample_rows,
-            prompt_logprob_rows=prompt_rows, num_common_prefix_blocks=common)
+            prompt_logprob_rows=prompt_rows, num_common_prefix_blocks=common,
+            token_lora_ids=token_lora_ids)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
@@ -156,6 +173,7 @@ class ModelRunner:
         Returns the logits (num_sampling + num_prompt_logprob_rows, vocab),
         or None where this step samples nothing, and on ranks other than 0."""
         input_ids, positions, meta = step.to_tensors(self.device)
+        self.adapters.prepare(step.token_lora_ids, self.device)  # ch10: the adapters' slots
         if self.graphs is not None and self.graphs.can_run(len(step.context_lens),
                                                            step.num_decodes):
             hidden = self.graphs.run(input_ids, positions, meta)  # ch05: a CUDA graph replay

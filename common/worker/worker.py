@@ -128,7 +128,7 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
                  *, loaded: LoadedModel | None = None, model_shared: bool = False,
                  port: int | None = None,
                  attention_ops=None, quant_ops=None, workers=None,
-                 sampling=None, logits_processors: tuple = ()) -> Worker:
+                 sampling=None, logits_processors: tuple = (), adapters_cls=None) -> Worker:
     """Build rank `rank` (0 in the engine's process, 1..N-1 in the workers').
 
     `loaded`: the model, when the caller has it (rank 0); otherwise this rank
@@ -141,7 +141,8 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     `workers` (ch08, rank 0): the other ranks (tp_workers.TPWorkers), which
     the ModelRunner sends every step to. `sampling`, `logits_processors`
     (rank 0): the ModelRunner's sampling step and logits processors, the
-    chapter's parts (common/engine/parts.py); the other ranks never sample."""
+    chapter's parts (common/engine/parts.py); the other ranks never sample.
+    `adapters_cls` (ch10, rank 0): the LoRA slots, built on the forward pass."""
     world_size = config.tensor_parallel_size
     device = rank_device(loaded.device if loaded is not None else config.device, rank)
     tp = SINGLE_RANK
@@ -175,8 +176,10 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     num_blocks = tp.min_over_ranks(room)  # ch08: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
     cascade = not config.disable_cascade_attn and supports_cascade(forward.attention_ops)
+    adapters = adapters_cls(forward, loaded.dtype) if adapters_cls else None  # ch10: LoRA slots
     runner = ModelRunner(forward, kv_cache, workers, sampling, logits_processors,
-                         cascade_attention=cascade)  # ch05: where the kernels have it
+                         cascade_attention=cascade,  # ch05: where the kernels have it
+                         adapters=adapters)
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
             and world_size == 1:  # ch05: graphs need the Triton kernels, and one rank
         runner.capture_decode_graphs(config.max_num_seqs,

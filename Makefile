@@ -42,6 +42,11 @@ CHAPTERS    ?=
 BENCH_CARD  ?=
 ROOMY_CARD  ?=
 DEADLINE    ?=
+CHAPTER_DIR  = $(if $(filter 1%,$(CH)),$(CH),0$(patsubst 0%,%,$(CH)))-*/
+# Chapter 10's server with the two trained adapters (make adapters), two slots.
+ADAPTERS     = 10-adapters/adapters
+ADAPTER_ARGS = --enable-lora --max-loras 2 --lora-modules pirate=$(ADAPTERS)/pirate \
+               shout=$(ADAPTERS)/shout
 given        = $(if $(filter command% environment%,$(origin $(1))),$(2) $($(1)))
 peer_args    = $(if $(1),--peers $(filter-out 1,$(1)))
 BENCH_ARGS   = $(call peer_args,$(PEERS)) $(OTHER_BENCH_ARGS)
@@ -62,7 +67,7 @@ DURATION    ?=
 VS_VLLM_ARGS = $(if $(LOADS),--loads $(LOADS)) $(if $(DTYPES),--dtypes $(DTYPES)) \
   $(if $(ALTERNATIONS),--alternations $(ALTERNATIONS)) $(if $(DURATION),--duration $(DURATION))
 
-.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve adapters
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -110,7 +115,7 @@ demo: $(STAMP) ## the instructor's demo: chapter 02 runs out of memory with 2 cl
 # watch: the chapter's server with --live-view (03 on), or REPLAY=file with no engine.
 watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file DP=2 (ch09: a tab per engine): a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
 	$(if $(REPLAY),$(PY) -m common.entrypoints.live_view --replay $(REPLAY) --port $(PORT),\
-	  $(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
+	  $(PY) $$(ls -d $(CHAPTER_DIR))server.py --port $(PORT) --dtype $(DTYPE) \
 	  $(call given,CARD,--device-memory-gb) --live-view $(if $(RECORD),--record-events $(RECORD)) \
 	  $(if $(DP),--data-parallel-size $(DP)))
 
@@ -119,9 +124,10 @@ loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=fl
 	  --max-tokens $(MAX_TOKENS) --device-memory-gb $(CARD) --dtype $(DTYPE) $(if $(STREAM),--stream,)
 
 # serve passes CARD only when given: without it, the server's own default card.
-serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; without CARD the server's default: 2 GiB on the CPU, the whole GPU on CUDA) DP=2 (ch09: engine processes): run one chapter's server
-	$(PY) $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)server.py --port $(PORT) --dtype $(DTYPE) \
-	  $(call given,CARD,--device-memory-gb) $(if $(DP),--data-parallel-size $(DP))
+serve: $(STAMP) ## CH=05 PORT=8000 DTYPE=float32 CARD=1.1 (the demo card; without CARD the server's default: 2 GiB on the CPU, the whole GPU on CUDA) DP=2 (ch09: engine processes): run one chapter's server (CH=10: with the adapters pirate and shout)
+	$(PY) $$(ls -d $(CHAPTER_DIR))server.py --port $(PORT) --dtype $(DTYPE) \
+	  $(call given,CARD,--device-memory-gb) $(if $(DP),--data-parallel-size $(DP)) \
+	  $(if $(filter 10,$(CH)),$(ADAPTER_ARGS))
 
 # Chapter 09 on a Ray cluster: the replicas as Ray actors, the router in front
 # (common/entrypoints/ray_replicas.py). Ray advertises this machine's own
@@ -139,6 +145,9 @@ POLICY      ?= prefix-aware
 # The cluster takes token authentication; every driver that joins it (ray-serve)
 # must say so too, or Ray refuses it (InvalidAuthToken).
 RAY_AUTH = RAY_AUTH_MODE=token
+adapters: $(STAMP) ## chapter 10: train the adapters pirate and shout again (seeded, ~5 min on 2 cores; the repository ships them in 10-adapters/adapters/)
+	$(PY) 10-adapters/train_adapters.py
+
 ray-up: $(STAMP) ## RAY_CPUS=2 RAY_HEAD_IP=<LAN address>: start a Ray cluster's head on this machine (ray start --head, port 6379)
 	$(RAY) get-auth-token --generate > /dev/null
 	$(RAY_AUTH) $(RAY) start --head --port 6379 --num-cpus $(RAY_CPUS) \
@@ -284,7 +293,7 @@ gpu-wheels: ## download the wheels bench/gpu_check.sh installs on a GPU machine 
 	  cp $$d/*.json $$d/*.jinja .whl/llm-course-cache/$$(basename $$d)/
 
 slides: ## CH=01: show a chapter's slides in mdp
-	mdp $$(ls -d 0$(patsubst 0%,%,$(CH))-*/)slides.md
+	mdp $$(ls -d $(CHAPTER_DIR))slides.md
 
 clean: ## remove the venvs and caches (not the converted model in ~/.cache, nor .llamacpp/)
 	rm -rf $(VENV) $(GUIDELLM_VENV) $(VLLM_VENV) .pytest_cache

@@ -24,6 +24,7 @@ from common.config import EngineConfig  # noqa: E402
 from common.engine.parts import EngineParts  # noqa: E402
 from common.entrypoints.api_server import main  # noqa: E402
 from common.entrypoints.chapters import chapter_server  # noqa: E402
+from common.entrypoints.serving_models import OpenAIServingModels  # noqa: E402  ch10
 from common.lora.model_manager import with_adapters  # noqa: E402  ch10
 
 
@@ -36,6 +37,19 @@ def engine_parts(config: EngineConfig) -> EngineParts:
     return parts
 
 
+def serving_models(config: EngineConfig) -> OpenAIServingModels | None:
+    """The names a request's `model` may give: the base model's, and with
+    --enable-lora each adapter's, the --lora-modules read now."""
+    if not config.enable_lora:
+        if config.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    models = OpenAIServingModels(config.model_name, config.max_loras, config.max_lora_rank,
+                                 config.lora_modules)
+    models.init_static_loras()
+    return models
+
+
 if __name__ == "__main__":
     sys.exit(main("10", "Chapter 10: many fine-tunes on one engine (multi-LoRA)",  # ch10
-                  engine_parts))
+                  engine_parts, serving_models))

@@ -17,13 +17,17 @@ weights on every run of the same CPU and torch.
 The adapters go to 10-adapters/adapters/NAME/ as peft saves them
 (adapter_config.json, adapter_model.safetensors): what `vllm serve
 --enable-lora --lora-modules pirate=10-adapters/adapters/pirate` and this
-chapter's server read.
+chapter's server read. Two changes make them fit the repository: the
+weights in float16 (5 MB an adapter instead of 10; the server casts them
+to its dtype), and a config that names the model by its hub name, not by
+this machine's cache path, with its lists sorted (peft writes a set).
 
 Left out: a held-out evaluation, learning-rate schedules, mixed precision.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -37,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from common.loader import apply_chat_template, load_model  # noqa: E402
 
 OUT = ROOT / "10-adapters" / "adapters"
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's
 RANK, ALPHA = 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTIONS = [
@@ -137,6 +142,20 @@ def train(loaded, rows, epochs: int, lr: float, batch_size: int, seed: int):
     return model.eval()
 
 
+def save_adapter(model, folder: Path) -> None:
+    """peft's folder, made small and the same on every machine (module docstring)."""
+    from safetensors.torch import load_file, save_file
+    model.save_pretrained(folder)
+    (folder / "README.md").unlink(missing_ok=True)  # peft's empty model card
+    weights = folder / "adapter_model.safetensors"
+    save_file({k: v.half() for k, v in load_file(weights).items()}, weights)
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = HUB_NAME
+    config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=list(STYLES), default=None)
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: training on {len(answers)} answers, e.g. {style(answers[0])!r}")
         model = train(loaded, examples(loaded.tokenizer, answers, style), args.epochs,
                       args.lr, args.batch_size, args.seed)
-        model.save_pretrained(args.out / name)
+        save_adapter(model, args.out / name)
         print(f"{name}: saved to {args.out / name} in {time.perf_counter() - begin:.0f} s")
     return 0
 

@@ -44,15 +44,11 @@ from typing import Callable, Mapping
 
 import requests
 
+from common.entrypoints.chapters import CHAPTER_FOLDERS
 from common.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAPTERS = {
-    "01": "01-concepts", "02": "02-minimal-pytorch-inference", "03": "03-kv-cache",
-    "04": "04-paged-attention", "05": "05-continuous-batching", "06": "06-openai-server",
-    "07": "07-structured-and-speculative", "08": "08-levers-and-the-real-vllm",
-    "09": "09-scale-out",
-}
+CHAPTERS = CHAPTER_FOLDERS  # "05" -> "05-continuous-batching"
 SYSTEM_PROMPT = "You are a concise assistant. Answer in two or three sentences."
 PROMPTS = [
     "What is the capital of France?",

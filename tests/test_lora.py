@@ -11,12 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common.layers.attention import AttentionMetadata
-from common.lora.lora_model import LORA_TARGETS, LoRALoadError, LoRAModel
+from common.lora.lora_model import LoRALoadError, LoRAModel
 from common.lora.model_manager import LoRAModelManager
 from common.lora.punica import NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped
 from common.memory import Card
 from common.models import build_forward
 from common.worker.kv_cache import KVCache
+from tests.adapters import peft_adapter
 
 TINY_LLAMA = LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, vocab_size=1000,
@@ -46,21 +47,6 @@ def test_gathered_and_grouped_products_give_each_row_its_adapter(indices):
     add_lora_grouped(grouped, x, lora_a, lora_b, LoRAMapping.from_indices(idx))
     torch.testing.assert_close(gathered, expected)
     torch.testing.assert_close(grouped, expected)
-
-
-def peft_adapter(base_model, folder, rank: int, alpha: int, seed: int, targets=LORA_TARGETS):
-    """A seeded random adapter, made and saved by peft itself (its A and B
-    both random: `init_lora_weights=False`). Returns peft's merged model."""
-    peft = pytest.importorskip("peft", reason="peft is in requirements.txt (make setup)")
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                             init_lora_weights=False)
-    model = peft.get_peft_model(copy.deepcopy(base_model), config)
-    for name, param in model.named_parameters():  # larger B: a change greedy tokens show
-        if "lora_B" in name:
-            param.data *= 20
-    model.save_pretrained(folder)
-    return model.merge_and_unload().eval()
 
 
 def flat_batch(sequences: list[list[int]], block_size: int = 16):

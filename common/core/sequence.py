@@ -72,6 +72,7 @@ class Sequence:
     # ch06: the prompt tokens' logprobs so far (prompt_logprobs), the first one None
     prompt_logprobs: list[SampledToken | None] = field(default_factory=list)
     lora_int_id: int = 0  # ch10: the adapter it runs with (common/lora/), 0: none
+    lora_name: str | None = None  # ch10: the adapter's name, for metrics and the live view
 
     def __post_init__(self) -> None:
         # Prompt + output in one list, appended once per token: the runner

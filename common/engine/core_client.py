@@ -103,7 +103,7 @@ def split_cores(data_parallel_size: int) -> list[list[int] | None]:
     return [cores[i * share:(i + 1) * share] for i in range(data_parallel_size)]
 
 
-SAME_IN_EVERY_ENGINE = {"block_size", "bounds", "card"}  # kept as the first engine has them
+SAME_IN_EVERY_ENGINE = {"block_size", "bounds", "card", "max_loras"}  # kept as the first engine has them
 
 
 def combine_snapshots(snapshots: list[dict]) -> dict:
@@ -113,8 +113,9 @@ def combine_snapshots(snapshots: list[dict]) -> dict:
         first = values[0]
         if key in SAME_IN_EVERY_ENGINE or isinstance(first, (bool, str)) or first is None:
             return first
-        if isinstance(first, dict):
-            return {k: merge(k, [v.get(k, 0) for v in values]) for k in first}
+        if isinstance(first, dict):  # every engine's keys, in order of appearance
+            keys = dict.fromkeys(k for v in values for k in v)
+            return {k: merge(k, [v.get(k, 0) for v in values]) for k in keys}
         if isinstance(first, list):
             return [sum(items) for items in zip(*values)]
         total = sum(values)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -63,12 +64,15 @@ log = logging.getLogger("llm-course")
 LOG_INTERVAL_S = 5.0
 
 
-def lora_id(lora_request) -> int:
-    """ch10: a request's adapter id: 0 for none; a LoRARequest's, or the
-    second of [name, id, path] (how chapter 09's engine process gets it)."""
+def lora_name_and_id(lora_request) -> tuple[str | None, int]:
+    """ch10: a request's adapter, its name and id (None, 0: none); from a
+    LoRARequest, or from [name, id, path] (how chapter 09's engine process
+    gets it)."""
     if lora_request is None:
-        return 0
-    return lora_request[1] if isinstance(lora_request, list) else lora_request.lora_int_id
+        return None, 0
+    if isinstance(lora_request, list):
+        return lora_request[0], lora_request[1]
+    return lora_request.lora_name, lora_request.lora_int_id
 
 
 class LLMEngine:
@@ -168,6 +172,7 @@ class LLMEngine:
         `lora_request` (ch10): the adapter it runs with (a LoRARequest)."""
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
+        lora_name, lora_int_id = lora_name_and_id(lora_request)
         if lora_request is not None:  # ch10: known to the slots, loaded once
             self.worker.model_runner.adapters.add_adapter(lora_request)
         seed = params.seed
@@ -180,7 +185,7 @@ class LLMEngine:
             sorted(self.eos_token_ids), torch.Generator().manual_seed(seed))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampling=sampling,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                       lora_int_id=lora_id(lora_request))
+                       lora_int_id=lora_int_id, lora_name=lora_name)
         if params.structured_outputs is not None:  # ch07: its own matcher
             seq.structured_output = self.structured_output.grammar_for(params.structured_outputs)
         self.sequences[request_id] = seq
@@ -266,7 +271,17 @@ class LLMEngine:
         return {"block_size": self.block_size, "num_blocks": self.block_manager.num_blocks,
                 **self.stats_collector.snapshot(
                     bytes_per_slot, speculating=self.config.speculative_config is not None),
+                **(self.lora_adapter_counts() if self.config.enable_lora else {}),  # ch10
                 "card": self.worker.card.describe()}
+
+    def lora_adapter_counts(self) -> dict:
+        """ch10: requests by adapter name, running and waiting (vLLM's
+        scheduler stats, shown by vllm:lora_requests_info and the live view)."""
+        def by_name(seqs) -> dict[str, int]:
+            return dict(Counter(seq.lora_name for seq in seqs if seq.lora_name))
+        return {"running_lora_adapters": by_name(self.scheduler.running),
+                "waiting_lora_adapters": by_name(self.scheduler.waiting),
+                "max_loras": self.config.max_loras}
 
 
 def step_or_fail(engine: LLMEngine) -> tuple[list[RequestOutput], list[tuple[str, str]]]:

@@ -64,26 +64,31 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               metrics: Metrics | None = None, chapter: str = "06",
               title: str = "Chapter 06: the OpenAI-compatible server",
               load_tracking: bool = False, tokenizer_info: bool = False,
-              max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False) -> FastAPI:
+              max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False,
+              models=None) -> FastAPI:
     """The OpenAI-compatible app: chapter 05's routes, streaming, and the rest.
     `chapter`: the fields of later chapters are refused (chapter 06 has no grammars).
     `load_tracking`, `tokenizer_info`, `max_logprobs`, `prompt_tokens_details`:
     vLLM's flags for /load, /tokenizer_info, the logprobs' cap and the usage's
-    cached tokens."""
+    cached tokens. `models` (ch10): the adapters served beside the model
+    (an OpenAIServingModels, serving_models.py), None: the model alone."""
     metrics = metrics or Metrics(engine.snapshot, model_name, lambda: engine.alive,
                                  max_model_len=engine.max_model_len,
                                  cache_config=engine.cache_config_info)
     engine.add_stat_logger(metrics)  # the engine times every token, streamed or not
     core = dict(default_max_tokens=None,  # vLLM: a missing max_tokens fills the context
                 max_waiting=max_waiting, metrics=metrics, max_logprobs=max_logprobs,
-                prompt_tokens_details=prompt_tokens_details)
+                prompt_tokens_details=prompt_tokens_details, models=models)
     chat = OpenAIServingChat(engine, model_name, **core)
     completion = OpenAIServingCompletion(engine, model_name, **core)
-    tokenization = OpenAIServingTokenization(engine, model_name)
+    tokenization = OpenAIServingTokenization(engine, model_name, models=models)
     app = new_app(title, __version__, disable_docs)
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)
-    add_engine_routes(app, engine, model_name)
+    add_engine_routes(app, engine, model_name, models)
+    if models is not None:  # ch10: load and unload adapters, where allowed
+        models.add_routes(app)
+        models.add_metrics(metrics, engine.snapshot)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
@@ -116,19 +121,26 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
 
 
 def main(chapter: str, title: str,
-         engine_parts: Callable[[EngineConfig], EngineParts]) -> int:
-    """Chapters 06-09's main, like `vllm serve`: the chapter's flags, its
-    engine built from `engine_parts(config)` (its server.py's), the app."""
+         engine_parts: Callable[[EngineConfig], EngineParts],
+         serving_models: Callable[[EngineConfig], object] | None = None) -> int:
+    """Chapters 06-10's main, like `vllm serve`: the chapter's flags, its
+    engine built from `engine_parts(config)` (its server.py's), the app.
+    `serving_models(config)` (ch10): the adapters it serves, or None."""
     parser = api_server_parser(title, chapter)
     args = parse_server_args(parser, chapter)
     config = config_from_args(args)
+    try:  # ch10: the adapters are read first: a bad folder stops the server at once
+        models = serving_models(config) if serving_models else None
+    except ValueError as exc:
+        parser.error(str(exc))
     engine = build_engine(parser, config, engine_parts, args)
     app = build_app(engine, config.model_name, args.api_key, args.max_waiting,
                     args.disable_fastapi_docs, chapter=chapter, title=title,
                     load_tracking=args.enable_server_load_tracking,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
                     max_logprobs=args.max_logprobs,
-                    prompt_tokens_details=args.enable_prompt_tokens_details)
+                    prompt_tokens_details=args.enable_prompt_tokens_details,
+                    models=models)
     add_live_view_if_asked(app, engine, chapter, args)
     log.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     return serve(app, args, engine)

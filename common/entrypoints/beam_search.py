@@ -116,15 +116,15 @@ def best_beams(done: list[BeamSearchSequence], live: list[BeamSearchSequence],
 
 
 async def beam_search(engine: AsyncLLM, request_id: str, prompt_ids: list[int],
-                      params: BeamSearchParams) -> BeamSearchOutput:
+                      params: BeamSearchParams, lora_request=None) -> BeamSearchOutput:
     """The search over the server's engine: each step's beams are sent
     together, so the engine batches them (and, with prefix caching, finds
-    their shared blocks)."""
+    their shared blocks). `lora_request` (ch10): the adapter of every beam."""
     beams, done = [BeamSearchSequence(list(prompt_ids))], []
     for step in range(params.max_tokens):
         outputs = await asyncio.gather(*(
             final_output(engine, f"{request_id}-step{step}-beam{i}", beam.tokens,
-                         step_params(params))
+                         step_params(params), lora_request)
             for i, beam in enumerate(beams)))
         beams = next_beams(beams, outputs, params, engine.tokenizer.eos_token_id, done)
         if not beams:
@@ -134,9 +134,10 @@ async def beam_search(engine: AsyncLLM, request_id: str, prompt_ids: list[int],
 
 
 async def final_output(engine: AsyncLLM, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> RequestOutput:
+                       params: SamplingParams, lora_request=None) -> RequestOutput:
     """One engine request's final output (FINAL_ONLY: its only one)."""
-    async for output in engine.generate(request_id, token_ids, params):
+    async for output in engine.generate(request_id, token_ids, params,
+                                     lora_request=lora_request):
         if output.finished:
             return output
     raise RuntimeError(f"request {request_id} ended without a final output")

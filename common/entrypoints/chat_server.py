@@ -41,14 +41,18 @@ log = logging.getLogger("llm-course")
 MONITORING_PER_S = 20  # answers a second on /stats and /metrics, all clients together
 
 
-def add_engine_routes(app: FastAPI, engine: EngineClient, model_name: str) -> None:
+def add_engine_routes(app: FastAPI, engine: EngineClient, model_name: str,
+                      models=None) -> None:
     """The routes of chapters 03-06 around the chat: models, health, stats.
-    `/stats` (and chapter 06's `/metrics`) share `app.state.monitoring`."""
+    `/stats` (and chapter 06's `/metrics`) share `app.state.monitoring`.
+    `models` (ch10): an OpenAIServingModels, which lists the adapters too."""
     created = int(time.time())
     app.state.monitoring = RateLimit(MONITORING_PER_S)
 
     @app.get("/v1/models")
-    def models() -> ModelList:
+    def show_available_models() -> ModelList:
+        if models is not None:  # ch10: the base model and its adapters
+            return models.show_available_models(engine.max_model_len)
         return ModelList(data=[ModelCard(id=model_name, created=created,
                                          max_model_len=engine.max_model_len)])
 

@@ -185,7 +185,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llm-course"
-    max_model_len: int
+    max_model_len: int | None = None
+    root: str | None = None  # ch10: where the weights come from (an adapter's folder)
+    parent: str | None = None  # ch10: an adapter's base model
 
 
 class ModelList(BaseModel):

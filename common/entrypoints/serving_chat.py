@@ -47,7 +47,7 @@ from common.entrypoints.responses import (
     prompt_logprobs,
     sse,
 )
-from common.entrypoints.request_checks import check_model_name, usage
+from common.entrypoints.request_checks import usage
 from common.entrypoints.serving_engine import OpenAIServing, event_stream
 from common.layers.sampler import SampledToken
 from common.loader import apply_chat_template
@@ -58,18 +58,18 @@ class OpenAIServingChat(OpenAIServing):
     """Chat completions (vLLM's class name)."""
 
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
-        check_model_name(req.model, self.model_name)
+        lora_request = self.lora_request(req.model)  # ch10: the adapter `model` names
         prompt = await run_in_threadpool(self.chat_prompt, req)
         await self.compile_grammar(req)  # ch07: structured outputs, off the event loop
         request_id = new_id("chatcmpl")
-        streams = self.start(request_id, [prompt], req, "messages")
+        streams = self.start(request_id, [prompt], req, "messages", lora_request)
         if req.stream:  # ch06
             return event_stream(self.chat_stream(request_id, prompt, req, streams), streams,
                                 request)
         answers = await self.answers(request, streams, req.n)
         choices = [answer.outputs[0] for answer in answers]
         return ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=self.model_name,
+            id=request_id, created=int(time.time()), model=self.response_model(req.model),
             choices=[ChatChoice(index=i, message=ResponseMessage(content=self.echoed(req) + a.text),
                                 finish_reason=a.finish_reason,
                                 logprobs=self.chat_logprobs(a.logprobs) if req.logprobs else None,
@@ -104,7 +104,8 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None,
                   prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created,
-                                           model=self.model_name, choices=choices, usage=usage,
+                                           model=self.response_model(req.model),
+                                           choices=choices, usage=usage,
                                            prompt_token_ids=prompt_token_ids))
 
         def so_far(i: int) -> Usage | None:  # vLLM's continuous_usage_stats

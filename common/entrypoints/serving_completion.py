@@ -45,7 +45,7 @@ from common.entrypoints.responses import (
     prompt_logprobs,
     sse,
 )
-from common.entrypoints.request_checks import check_model_name, usage
+from common.entrypoints.request_checks import usage
 from common.entrypoints.serving_engine import OpenAIServing, event_stream
 from common.layers.sampler import SampledToken
 from common.outputs import RequestOutput
@@ -55,27 +55,28 @@ class OpenAIServingCompletion(OpenAIServing):
     """Text completions (vLLM's class name)."""
 
     async def create_completion(self, req: CompletionRequest, request: Request):
-        check_model_name(req.model, self.model_name)
+        lora_request = self.lora_request(req.model)  # ch10: the adapter `model` names
         prompts = await run_in_threadpool(self.completion_prompts, req)
         await self.compile_grammar(req)  # ch07: structured outputs, off the event loop
         request_id = new_id("cmpl")
         if req.use_beam_search:  # vLLM's: the front searches, the engine steps
             return await cancel_on_disconnect(request, self.beam_search_completion(
-                request_id, prompts, req))
-        streams = self.start(request_id, prompts, req, "prompt")
+                request_id, prompts, req, lora_request))
+        streams = self.start(request_id, prompts, req, "prompt", lora_request)
         if req.stream:
             return event_stream(self.completion_stream(request_id, prompts, req, streams),
                                 streams, request)
         answers = await self.answers(request, streams, req.n)
         return CompletionResponse(
-            id=request_id, created=int(time.time()), model=self.model_name,
+            id=request_id, created=int(time.time()), model=self.response_model(req.model),
             choices=[self.completion_choice(i, a, prompts[i // req.n], req)
                      for i, a in enumerate(answers)],
             usage=usage(prompts, sum(a.outputs[0].num_output_tokens for a in answers),
                         self.prompt_details(prompts, answers[::req.n])))
 
     async def beam_search_completion(self, request_id: str, prompts: list[list[int]],
-                                     req: CompletionRequest) -> CompletionResponse:
+                                     req: CompletionRequest, lora_request=None
+                                     ) -> CompletionResponse:
         """`use_beam_search`: `n` beams per prompt (beam_search.py); choice
         k * n + i is prompt k's i-th best beam."""
         searches = []
@@ -84,7 +85,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params = BeamSearchParams(beam_width=req.n, max_tokens=checked.max_tokens,
                                       ignore_eos=req.ignore_eos, temperature=req.temperature,
                                       length_penalty=req.length_penalty)
-            searches.append(beam_search(self.engine, f"{request_id}-{k}", ids, params))
+            searches.append(beam_search(self.engine, f"{request_id}-{k}", ids, params,
+                                        lora_request))
         outputs = await asyncio.gather(*searches)
         choices, generated = [], 0
         for k, (ids, output) in enumerate(zip(prompts, outputs)):
@@ -96,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     token_ids=answer if req.return_token_ids else None,
                     prompt_token_ids=ids if req.return_token_ids else None))
         return CompletionResponse(id=request_id, created=int(time.time()),
-                                  model=self.model_name, choices=choices,
+                                  model=self.response_model(req.model), choices=choices,
                                   usage=usage(prompts, generated))
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -133,7 +135,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(choices: list[CompletionChunkChoice], usage: Usage | None = None) -> str:
             return sse(CompletionChunk(id=request_id, created=created,
-                                       model=self.model_name, choices=choices, usage=usage))
+                                       model=self.response_model(req.model), choices=choices,
+                                       usage=usage))
 
         token_chars = [0] * len(streams)  # the text of the tokens so far, per choice (text_offset)
         first = [True] * len(streams)  # prompt_token_ids go in each choice's first chunk

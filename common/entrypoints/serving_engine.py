@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -34,11 +34,15 @@ from common.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErro
 from common.context_length import DEFAULT_MAX_TOKENS, ContextLengthError
 from common.entrypoints.launcher import until_shutdown_deadline
 from common.entrypoints.middleware import APIError, cancel_on_disconnect, internal_error
-from common.entrypoints.request_checks import context_error
+from common.entrypoints.request_checks import check_model_name, context_error
 from common.entrypoints.protocol import SamplingFields
 from common.entrypoints.responses import PromptTokensDetails, sse
 from common.outputs import RequestOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # ch10's, imported by chapter 10 only
+    from common.entrypoints.serving_models import OpenAIServingModels
+    from common.lora.request import LoRARequest
 
 log = logging.getLogger("llm-course")
 
@@ -101,14 +105,17 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, *,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  max_waiting: int | None = None, metrics=None,
-                 max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False):
+                 max_logprobs: int = MAX_LOGPROBS, prompt_tokens_details: bool = False,
+                 models: OpenAIServingModels | None = None):
         """`default_max_tokens`: for a request that gives none (None: all
         that fits, as vLLM; ch06). `max_waiting`: most requests waiting for
         a slot, more get a 503 (None: no limit; ch06). `metrics`: where the
         `n` of each finished request goes (ch06). `max_logprobs`: top
         logprobs per token at most (vLLM's --max-logprobs).
         `prompt_tokens_details`: the usage says how many prompt tokens the
-        prefix cache held (vLLM's --enable-prompt-tokens-details)."""
+        prefix cache held (vLLM's --enable-prompt-tokens-details).
+        `models` (ch10): the base model and its adapters, when it serves
+        adapters (serving_models.py)."""
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -118,6 +125,22 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_logprobs = max_logprobs
         self.prompt_tokens_details = prompt_tokens_details
+        self.models = models
+
+    # ------------------------------------------------------------ models
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (ch10), or None for the
+        served model; any other name is a 404."""
+        if self.models is not None:  # ch10
+            return self.models.lora_request(requested)
+        check_model_name(requested, self.model_name)
+        return None
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` an answer names: the adapter asked for, or the served model."""
+        if self.models is not None and requested in self.models.lora_requests:  # ch10
+            return requested
+        return self.model_name
 
     # -------------------------------------------------------- validation
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
@@ -204,14 +227,16 @@ class OpenAIServing:
 
     # ----------------------------------------------------------- engine
     def start(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
-              param: str) -> list[RequestStream]:
+              param: str, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Validate everything first, then queue one engine request per
-        choice: choice k is sample k % n of prompt k // n."""
+        choice: choice k is sample k % n of prompt k // n. `lora_request`
+        (ch10): the adapter they all run with."""
         prepared = [(ids, self.sampling_params(req, ids, sample, param))
                     for ids in prompts for sample in range(req.n)]
         self.check_capacity(len(prepared))
         try:
-            return [self.engine.add_request(f"{request_id}-{k}", ids, params)
+            return [self.engine.add_request(f"{request_id}-{k}", ids, params,
+                                            lora_request=lora_request)
                     for k, (ids, params) in enumerate(prepared)]
         except EngineDeadError as exc:
             raise engine_error(exc) from None

@@ -14,7 +14,6 @@ from pydantic import Field
 
 from common.entrypoints.middleware import APIError
 from common.entrypoints.protocol import ChatMessage, ChatTemplateFlags, StrictModel, Text
-from common.entrypoints.request_checks import check_model_name
 from common.entrypoints.serving_engine import OpenAIServing
 from common.loader import apply_chat_template
 
@@ -37,7 +36,7 @@ class OpenAIServingTokenization(OpenAIServing):
     """vLLM's tokenizer endpoints."""
 
     def tokenize(self, req: TokenizeRequest) -> dict:
-        check_model_name(req.model, self.model_name)
+        self.lora_request(req.model)  # a 404 for a model it does not serve
         if req.messages:
             tokens = apply_chat_template(self.tokenizer, [m.as_dict() for m in req.messages],
                                          req.add_generation_prompt, req.continue_final_message)
@@ -51,5 +50,5 @@ class OpenAIServingTokenization(OpenAIServing):
         return answer
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
-        check_model_name(req.model, self.model_name)
+        self.lora_request(req.model)  # a 404 for a model it does not serve
         return {"prompt": self.tokenizer.decode(self.check_token_ids(req.tokens, "tokens"))}

@@ -15,11 +15,14 @@ does, once per step, as one JSON-able dict (a *frame*):
                         a preempted request's prompt and output again;
                         "decode", one token; ch07: with its drafts and how
                         many were accepted)
-    running             each running request: its tokens and block table
+    running             each running request: its tokens and block table (ch10:
+                        and its adapter's `lora_name`, as in `batch` and `waiting`)
     waiting, preempted  the queue; `preempted` are the waiting requests
                         that had blocks once and lost them
     finished            requests that left at this step, and why
     kv_events           the step's KV events in vLLM's schema
+    lora                ch10, with --enable-lora: requests by adapter, running
+                        and waiting, and max_loras (the step's adapter budget)
     figures             tok/s, TTFT and ITL p50, KV usage, preemptions,
                         prefix-cache hit rate (see `Figures`)
 
@@ -84,8 +87,11 @@ class Figures:
 
 
 def request_row(seq) -> dict:
-    return {"request_id": seq.request_id, "num_prompt_tokens": seq.num_prompt_tokens,
-            "num_output_tokens": seq.num_output_tokens, "num_preemptions": seq.num_preemptions}
+    row = {"request_id": seq.request_id, "num_prompt_tokens": seq.num_prompt_tokens,
+           "num_output_tokens": seq.num_output_tokens, "num_preemptions": seq.num_preemptions}
+    if seq.lora_name:  # ch10: the adapter it runs with (the live view colours by it)
+        row["lora_name"] = seq.lora_name
+    return row
 
 
 def block_letters(block_manager) -> str:
@@ -149,7 +155,8 @@ class StepEvents(StepObserver):
         engine = self.engine
         bm, scheduler = engine.block_manager, engine.scheduler
         waiting = list(scheduler.waiting)
-        return {
+        lora = {"lora": engine.lora_adapter_counts()} if engine.config.enable_lora else {}
+        return {**lora,  # ch10: the adapters running and waiting, and max_loras
             "type": "step", "step": engine.stats.num_steps, "ts": time.time(),
             "num_blocks": bm.num_blocks, "block_size": bm.block_size,
             "blocks": block_letters(bm),
@@ -182,6 +189,8 @@ class StepEvents(StepObserver):
         kind = ("prefill" if not outputs_before else
                 "decode" if last_token_only else "recompute")
         row = {"request_id": seq.request_id, "kind": kind, "num_tokens": num_new_tokens}
+        if seq.lora_name:  # ch10
+            row["lora_name"] = seq.lora_name
         if num_drafts:  # ch07: the drafts the step checked, and how many it kept
             row["num_drafts"] = num_drafts
             row["num_accepted"] = max(0, seq.num_output_tokens - outputs_before - 1)

@@ -38,10 +38,30 @@
   // ordered so that req-1, req-2, req-3... differ the most (then shifted a
   // little, for more than twelve requests).
   const HUES = [222, 28, 140, 310, 48, 190, 4, 255, 100, 336, 165, 282];
-  function hue(requestId) {
+  function requestHue(requestId) {
     let n = 0;
     for (const ch of requestId) n = (n * 31 + ch.charCodeAt(0)) >>> 0;
     return HUES[n % 12] + (Math.floor(n / 12) % 3) * 7;
+  }
+
+  // ch10: with adapters (frames carry `lora`), a request takes its
+  // adapter's colour instead: the base model's requests the first hue,
+  // each adapter the next, in the order they first appear.
+  const adapterOf = new Map();   // request id -> its adapter's name, "" for the base model
+  const adapterHues = new Map([["", HUES[0]]]);
+  let byAdapter = false;
+  function noteAdapter(row) {
+    const name = row.lora_name || "";
+    if (!adapterOf.has(row.request_id)) adapterOf.set(row.request_id, name);
+    if (!adapterHues.has(name)) adapterHues.set(name, HUES[adapterHues.size % 12]);
+  }
+  function hue(requestId) {
+    if (!byAdapter) return requestHue(requestId);
+    return adapterHues.get(adapterOf.get(requestId) || "");
+  }
+  function adapterTag(requestId) {   // " · pirate" after a label, with adapters
+    const name = byAdapter ? adapterOf.get(requestId) : "";
+    return name ? ` · ${name}` : "";
   }
 
   // Short labels for long request ids: a served request is
@@ -77,8 +97,12 @@
   }
 
   function labelRequests(frame) { // every request of a frame, in a fixed order
+    if (frame.lora) byAdapter = true;
     for (const queue of ["running", "waiting", "preempted", "finished", "batch"]) {
-      for (const row of frame[queue] || []) label(row.request_id);
+      for (const row of frame[queue] || []) {
+        label(row.request_id);
+        if (queue !== "finished") noteAdapter(row);
+      }
     }
   }
 
@@ -97,6 +121,7 @@
     frames.length = 0;
     labels.clear();
     labelled.clear();
+    adapterOf.clear();
     kv.reset();
   }
 
@@ -394,7 +419,7 @@
   function drawQueues(frame) {
     // "req-3 21+5 ⟲1": 21 prompt tokens, 5 output tokens, preempted once
     const chip = (r) => `${label(r.request_id)} ${r.num_prompt_tokens}+${r.num_output_tokens}` +
-      (r.num_preemptions ? ` ⟲${r.num_preemptions}` : "");
+      (r.num_preemptions ? ` ⟲${r.num_preemptions}` : "") + adapterTag(r.request_id);
     fillList("running", frame.running, (r) => requestItem(r.request_id, chip(r),
       `${r.block_table.length} blocks, ${r.num_computed_tokens} tokens computed ` +
       `(${r.num_cached_tokens} found in the prefix cache)`));
@@ -416,16 +441,30 @@
       const bar = element("span", "bar", "");
       bar.style.width = Math.min(100, (100 * row.num_tokens) / budget) + "%";
       const drafts = row.num_drafts ? ` (${row.num_drafts} drafts, ${row.num_accepted} kept)` : "";
-      li.append(element("span", "who", label(row.request_id)), element("span", "kind", row.kind), bar,
+      li.append(element("span", "who", label(row.request_id) + adapterTag(row.request_id)),
+        element("span", "kind", row.kind), bar,
         element("span", "tokens", row.num_tokens + drafts));
       return li;
     }));
+    drawAdapters(frame);
     // The prefix cache's changes in this step (vLLM's KV events).
     const count = (type) => (frame.kv_events || []).filter((e) => e.type === type)
       .reduce((sum, e) => sum + e.block_hashes.length, 0);
     const cleared = (frame.kv_events || []).some((e) => e.type === "AllBlocksCleared");
     $("kv-events").textContent = `Prefix cache this step: ${count("BlockStored")} blocks ` +
       `stored, ${count("BlockRemoved")} removed` + (cleared ? ", all cleared" : "");
+  }
+
+  // ch10: the step's adapter budget, --max-loras, and who waits for a slot.
+  function drawAdapters(frame) {
+    const lora = frame.lora;
+    $("lora-budget").hidden = !lora;
+    if (!lora) return;
+    const names = (counts) => Object.entries(counts).map(([name, n]) => `${name} (${n})`)
+      .join(", ") || "none";
+    $("lora-budget").textContent = `Adapters in the batch: ${Object.keys(lora.running_lora_adapters).length} ` +
+      `of ${lora.max_loras} slots: ${names(lora.running_lora_adapters)}; ` +
+      `waiting: ${names(lora.waiting_lora_adapters)}`;
   }
 
   function drawFigures(frame, usedDrawn) {

@@ -27,24 +27,25 @@ TINY_LLAMA = LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layer
 def random_stacks(slots=3, rank=4, d_in=16, d_out=24, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(slots, rank, d_in, generator=gen),
-            torch.randn(slots, d_out, rank, generator=gen))
+            torch.randn(slots, d_out, rank, generator=gen),
+            torch.tensor([0.5, 2.0, 4.0][:slots]))  # alpha / r of each slot
 
 
 @pytest.mark.parametrize("indices", [[0, 2, NO_LORA, 2, 1, 0, NO_LORA], [1] * 5,
                                      [NO_LORA] * 4, [2]])
 def test_gathered_and_grouped_products_give_each_row_its_adapter(indices):
-    lora_a, lora_b = random_stacks()
+    lora_a, lora_b, scaling = random_stacks()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(len(indices), 16, generator=gen)
     base = torch.randn(len(indices), 24, generator=gen)
     expected = base.clone()
-    for t, slot in enumerate(indices):  # row by row: x_t (B A)^T for its own slot
+    for t, slot in enumerate(indices):  # row by row: s x_t (B A)^T for its own slot
         if slot != NO_LORA:
-            expected[t] += x[t] @ (lora_b[slot] @ lora_a[slot]).T
+            expected[t] += scaling[slot] * x[t] @ (lora_b[slot] @ lora_a[slot]).T
     idx = torch.tensor(indices)
     gathered, grouped = base.clone(), base.clone()
-    add_lora_gathered(gathered, x, lora_a, lora_b, idx)
-    add_lora_grouped(grouped, x, lora_a, lora_b, LoRAMapping.from_indices(idx))
+    add_lora_gathered(gathered, x, lora_a, lora_b, scaling, idx)
+    add_lora_grouped(grouped, x, lora_a, lora_b, scaling, LoRAMapping.from_indices(idx))
     torch.testing.assert_close(gathered, expected)
     torch.testing.assert_close(grouped, expected)
 

@@ -24,21 +24,25 @@ from common.lora.punica import PunicaWrapper
 
 
 class LoRASlots:
-    """One projection's stacked adapters: A (slots, r, in), B (slots, out, r)."""
+    """One projection's stacked adapters: A (slots, r, in), B (slots, out, r),
+    and each slot's alpha / r (slots,)."""
 
     def __init__(self, max_loras: int, max_rank: int, in_features: int, out_features: int,
                  dtype: torch.dtype, device: torch.device):
         self.lora_a = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
-        """Put an adapter's A and scaling * B in `slot` (None: zeros)."""
+        """Put an adapter's A, B and scaling in `slot` (None: zeros)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.scaling[slot] = 0.0
         if weights is not None:
             r = weights.rank
             self.lora_a[slot, :r] = weights.lora_a
-            self.lora_b[slot, :, :r] = weights.lora_b * weights.scaling
+            self.lora_b[slot, :, :r] = weights.lora_b
+            self.scaling[slot] = weights.scaling
 
 
 class LinearWithLoRA:
@@ -49,7 +53,8 @@ class LinearWithLoRA:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (T, out): one product for the whole batch
-        self.punica.add_lora_linear(y, x, self.slots.lora_a, self.slots.lora_b)
+        self.punica.add_lora_linear(y, x, self.slots.lora_a, self.slots.lora_b,
+                                   self.slots.scaling)
         return y
 
 
@@ -62,5 +67,5 @@ class MergedLinearWithLoRA:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = self.base(x)  # views of one (T, sum of outs) product
         for y, slots in zip(outputs, self.slots):
-            self.punica.add_lora_linear(y, x, slots.lora_a, slots.lora_b)
+            self.punica.add_lora_linear(y, x, slots.lora_a, slots.lora_b, slots.scaling)
         return outputs

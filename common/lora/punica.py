@@ -5,9 +5,11 @@ or of none. Every projection runs once for all of them with the base
 weight, as in chapters 03-09; then each token adds its own adapter's
 low-rank change. The adapters sit in `max_loras` slots, stacked:
 
-    lora_a: (slots, r, in)     lora_b: (slots, out, r), scaling folded in
+    lora_a: (slots, r, in)     lora_b: (slots, out, r)     scaling: (slots,)
 
-and `token_lora_indices` (T,) says each token's slot (-1: none). Two
+(scaling: each adapter's alpha / r), and `token_lora_indices` (T,) says
+each token's slot (-1: none). A token t of slot s gets
+y_t += scaling_s * B_s (A_s x_t). Two
 equal ways to compute it (Punica: Chen et al., 2023, arXiv:2310.18547;
 S-LoRA: Sheng et al., 2023, arXiv:2311.03285):
 
@@ -31,11 +33,13 @@ import torch
 NO_LORA = -1  # a token of a sequence that runs the base model alone
 
 
-def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x: (T, in); lora_a: (slots, r, in); indices: (T,), every one a slot.
-    Returns (T, r): each row times its own adapter's A."""
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor,
+                scaling: torch.Tensor) -> torch.Tensor:
+    """x: (T, in); lora_a: (slots, r, in); indices: (T,), every one a slot;
+    scaling: (slots,). Returns (T, r): each row times its own adapter's A,
+    scaled by its alpha / r (vLLM's shrink applies the scale too)."""
     a = lora_a[indices]  # (T, r, in): row t's A
-    return torch.einsum("ti,tri->tr", x, a)
+    return torch.einsum("ti,tri->tr", x, a) * scaling[indices, None]
 
 
 def bgmv_expand(h: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -45,13 +49,15 @@ def bgmv_expand(h: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor) ->
 
 
 def add_lora_gathered(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                      lora_b: torch.Tensor, indices: torch.Tensor) -> None:
+                      lora_b: torch.Tensor, scaling: torch.Tensor,
+                      indices: torch.Tensor) -> None:
     """The reference: y (T, out) += x's rows through their own adapters, in place."""
     rows = (indices != NO_LORA).nonzero().squeeze(1)  # (R,): the rows with an adapter
     if len(rows) == 0:
         return
     slots = indices[rows]  # (R,)
-    y.index_add_(0, rows, bgmv_expand(bgmv_shrink(x[rows], lora_a, slots), lora_b, slots))
+    h = bgmv_shrink(x[rows], lora_a, slots, scaling)  # (R, r)
+    y.index_add_(0, rows, bgmv_expand(h, lora_b, slots))
 
 
 @dataclass
@@ -69,14 +75,16 @@ class LoRAMapping:
 
 
 def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                     lora_b: torch.Tensor, mapping: LoRAMapping) -> None:
+                     lora_b: torch.Tensor, scaling: torch.Tensor,
+                     mapping: LoRAMapping) -> None:
     """The same as `add_lora_gathered`, one slot at a time: two small products each."""
     for slot, rows in mapping.groups:
+        scale = float(scaling[slot])
         if len(rows) == x.shape[0]:  # the whole batch on one adapter: no gather
-            y += (x @ lora_a[slot].T) @ lora_b[slot].T
+            y += ((x @ lora_a[slot].T) * scale) @ lora_b[slot].T
             continue
-        delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T  # (R_s, out)
-        y.index_add_(0, rows, delta)
+        h = (x.index_select(0, rows) @ lora_a[slot].T) * scale  # (R_s, r)
+        y.index_add_(0, rows, h @ lora_b[slot].T)  # (R_s, out) added at its rows
 
 
 class PunicaWrapper:
@@ -91,11 +99,11 @@ class PunicaWrapper:
         self.mapping = LoRAMapping.from_indices(token_lora_indices)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor) -> None:
+                        lora_b: torch.Tensor, scaling: torch.Tensor) -> None:
         """y (T, out) += each token's adapter's change of x (T, in), in place."""
         if not self.mapping.groups:
             return
         if self.grouped:
-            add_lora_grouped(y, x, lora_a, lora_b, self.mapping)
+            add_lora_grouped(y, x, lora_a, lora_b, scaling, self.mapping)
         else:
-            add_lora_gathered(y, x, lora_a, lora_b, self.mapping.token_lora_indices)
+            add_lora_gathered(y, x, lora_a, lora_b, scaling, self.mapping.token_lora_indices)

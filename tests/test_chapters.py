@@ -28,7 +28,7 @@ from common.entrypoints.cli_args import api_server_parser, parse_server_args, se
 from common.entrypoints.simple_app import Completion, build_chat_app
 from tests.engine_helpers import make_engine
 
-ALL = sorted(CHAPTERS)  # "01" .. "09"
+ALL = sorted(CHAPTERS)  # "01" .. "10"
 FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--long-prefill-token-threshold": ["64"], "--enforce-eager": [],
                "--disable-cascade-attn": [],
@@ -39,7 +39,9 @@ FLAG_VALUES = {"--block-size": ["8"], "--enable-prefix-caching": [],
                "--quantization": ["int8"], "--tensor-parallel-size": ["2"],
                "--live-view": [], "--record-events": ["/tmp/steps.jsonl"],
                "--kv-events-config": ['{"enable_kv_cache_events": true}'],
-               "--engine-core": ["in-process"], "--data-parallel-size": ["2"]}
+               "--engine-core": ["in-process"], "--data-parallel-size": ["2"],
+               "--enable-lora": [], "--lora-modules": ["a=/tmp/a"], "--max-loras": ["2"],
+               "--max-lora-rank": ["8"], "--max-cpu-loras": ["2"]}
 FIELD_VALUES = {"top_p": 0.5, "stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5,
                 "logit_bias": {"11": 1.0}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                 "min_tokens": 1, "stop_token_ids": [2], "logprobs": True, "top_logprobs": 2,

@@ -3,7 +3,9 @@ down, one floor at a time (vLLM v1's map):
 
     6  common/entrypoints    servers, the offline LLM, the router
     5  common/engine         LLMEngine and its fronts: no web server
-    4  common/spec_decode, common/structured_output, common/metrics
+    4  common/spec_decode, common/structured_output, common/metrics,
+       common/lora           the engine's plug-ins: drafts, grammars, step
+                             events, adapters (given to it as parts)
     3  common/worker         device, tensors, the model runner
     2  common/core           sequence, blocks, scheduler: bookkeeping
     1  common/models         the forward passes: no engine
@@ -24,11 +26,12 @@ import pytest
 pytestmark = pytest.mark.layout
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_LAYERS = ["common/engine", "common/metrics", "common/spec_decode",
+ENGINE_LAYERS = ["common/engine", "common/metrics", "common/spec_decode", "common/lora",
                  "common/structured_output", "common/worker", "common/core",
                  "common/layers", "common/models"]
 FLOORS = {"common.entrypoints": 6, "common.engine": 5, "common.spec_decode": 4,
-          "common.structured_output": 4, "common.metrics": 4, "common.worker": 3,
+          "common.structured_output": 4, "common.metrics": 4, "common.lora": 4,
+          "common.worker": 3,
           "common.core": 2, "common.models": 1, "common.layers": 0}
 WEB = ("fastapi", "uvicorn", "starlette", "prometheus_client", "openai")
 

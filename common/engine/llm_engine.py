@@ -281,7 +281,8 @@ class LLMEngine:
             return dict(Counter(seq.lora_name for seq in seqs if seq.lora_name))
         return {"running_lora_adapters": by_name(self.scheduler.running),
                 "waiting_lora_adapters": by_name(self.scheduler.waiting),
-                "max_loras": self.config.max_loras}
+                "max_loras": self.config.max_loras,
+                "lora_slot_bytes": self.model_runner.adapters.slot_bytes}
 
 
 def step_or_fail(engine: LLMEngine) -> tuple[list[RequestOutput], list[tuple[str, str]]]:

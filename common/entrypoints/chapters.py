@@ -103,6 +103,9 @@ CHAPTER_SUMMARY: dict[str, tuple[str, str, str]] = {
     "09": ("scale out",
            "the engine core in its own process (ZeroMQ, msgpack), `--data-parallel-size`, a router over N servers (round robin, least loaded, prefix-aware by consistent hashing), replicas that fail, Ray",
            "make serve CH=09 DP=2"),
+    "10": ("adapters",
+           "many fine-tunes on one engine: LoRA slots beside every product, a batch that mixes adapters (the gathered and grouped products), the `--max-loras` budget, adapters by `model` name, loaded at run time",
+           "make serve CH=10"),
 }
 
 # Which chapter each module of common/ belongs to: the first chapter whose
@@ -168,7 +171,8 @@ MODULE_CHAPTERS: dict[str, str] = {
     # 10: adapters
     "common.lora": "10", "common.lora.request": "10", "common.lora.lora_model": "10",
     "common.lora.punica": "10", "common.lora.layers": "10", "common.lora.scheduler": "10",
-    "common.lora.model_manager": "10",
+    "common.lora.model_manager": "10", "common.lora.triton_ops": "10",
+    "common.entrypoints.serving_models": "10",
 }
 
 # The libraries a chapter brings in (imported by no earlier chapter).

@@ -28,10 +28,20 @@ class LoRASlots:
     and each slot's alpha / r (slots,)."""
 
     def __init__(self, max_loras: int, max_rank: int, in_features: int, out_features: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.lora_a = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
-        self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, card=None):
+        """`card` (a common.memory.Card): where the stacks are booked, as
+        the weights and the KV cache are; None: plain tensors (tests)."""
+        def zeros(*shape: int) -> torch.Tensor:
+            if card is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return card.allocate(shape, dtype, "LoRA slots")
+        self.lora_a = zeros(max_loras, max_rank, in_features)
+        self.lora_b = zeros(max_loras, out_features, max_rank)
+        self.scaling = zeros(max_loras)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.scaling))
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Put an adapter's A, B and scaling in `slot` (None: zeros)."""

@@ -22,6 +22,7 @@ pinned-memory copies to a GPU.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import replace
 from functools import partial
@@ -33,26 +34,43 @@ from common.lora.lora_model import LoRAModel
 from common.lora.punica import NO_LORA, PunicaWrapper
 from common.lora.request import LoRARequest
 from common.lora.scheduler import LoRAScheduler
+from common.memory import format_bytes
+
+log = logging.getLogger("llm-course")
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
 class LoRAModelManager:
-    def __init__(self, forward, dtype: torch.dtype, *, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, grouped: bool = True):
+    def __init__(self, forward, dtype: torch.dtype, card=None, *, max_loras: int,
+                 max_lora_rank: int, max_cpu_loras: int, grouped: bool = True):
+        """`card`: where the slots are booked (common/memory.py's Card; the
+        worker builds the manager before the KV cache takes the rest)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras "
                              f"({max_loras})")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras, self.dtype = max_cpu_loras, dtype
-        self.punica = PunicaWrapper(grouped)
+        if forward.hf.device.type == "cuda":  # the Triton kernels (common/lora/triton_ops.py)
+            from common.lora.triton_ops import PunicaWrapperTriton
+            self.punica = PunicaWrapperTriton()
+        else:  # the CPU: a grouped product per adapter (oneDNN), or the gathered reference
+            self.punica = PunicaWrapper(grouped)
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id in each slot
         self.slot_use: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
         self.cpu_cache: OrderedDict[int, LoRAModel] = OrderedDict()  # id -> weights, LRU
         self.requests: dict[int, LoRARequest] = {}  # every adapter known, by id
         self.slots: dict[tuple[int, str], LoRASlots] = {}  # (layer, projection) -> stacks
+        self.card = card
         self.wrap(forward)
+        log.info("LoRA slots: %s (%d adapters of rank up to %d, every projection)",
+                 format_bytes(self.slot_bytes), max_loras, max_lora_rank)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The slots' memory on the card, whether adapters fill them or not."""
+        return sum(stacks.nbytes for stacks in self.slots.values())
 
     # --------------------------------------------------------- the model
     def wrap(self, forward) -> None:
@@ -68,7 +86,7 @@ class LoRAModelManager:
             for name, module in modules.items():
                 self.slots[i, name] = LoRASlots(self.max_loras, self.max_lora_rank,
                                                 module.in_features, module.out_features,
-                                                self.dtype, device)
+                                                self.dtype, device, self.card)
             forward.qkv[i] = MergedLinearWithLoRA(
                 forward.qkv[i], [self.slots[i, n] for n in QKV], self.punica)
             forward.gate_up[i] = MergedLinearWithLoRA(

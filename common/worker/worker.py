@@ -168,6 +168,8 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
              config.quantization or str(loaded.dtype).removeprefix("torch."),
              f", {format_bytes(forward.packed_bytes)} of them packed copies for oneDNN"
              if forward.packed_bytes else "")  # ch05: common/layers/cpu_gemm.py
+    # ch10: the LoRA slots, on the card before the KV cache takes what is left
+    adapters = adapters_cls(forward, loaded.dtype, card) if adapters_cls else None
     room = num_blocks
     if room is None:
         room, line = num_blocks_for_card(card, model, block_size,
@@ -176,7 +178,6 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
     num_blocks = tp.min_over_ranks(room)  # ch08: the same blocks on every card
     kv_cache = KVCache(card, model.config, num_blocks, block_size, loaded.dtype, world_size)
     cascade = not config.disable_cascade_attn and supports_cascade(forward.attention_ops)
-    adapters = adapters_cls(forward, loaded.dtype) if adapters_cls else None  # ch10: LoRA slots
     runner = ModelRunner(forward, kv_cache, workers, sampling, logits_processors,
                          cascade_attention=cascade,  # ch05: where the kernels have it
                          adapters=adapters)

@@ -45,7 +45,7 @@ def serving_models(config: EngineConfig) -> OpenAIServingModels | None:
             raise ValueError("--lora-modules needs --enable-lora")
         return None
     models = OpenAIServingModels(config.model_name, config.max_loras, config.max_lora_rank,
-                                 config.lora_modules)
+                                 config.lora_modules, base_model_path=config.model)
     models.init_static_loras()
     return models
 

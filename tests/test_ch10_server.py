@@ -75,6 +75,7 @@ def test_models_lists_each_adapter_with_its_parent(server, adapters):
     base = cards[0]["id"]
     assert [c["id"] for c in cards] == [base, "alpha", "beta"]
     assert cards[0]["parent"] is None and cards[0]["max_model_len"] > 0
+    assert cards[0]["root"] == "smollm2"  # the model it loaded, as vLLM's root says
     assert {c["id"]: (c["parent"], c["root"]) for c in cards[1:]} == {
         "alpha": (base, str(adapters["alpha"][0])), "beta": (base, str(adapters["beta"][0]))}
 

@@ -49,12 +49,13 @@ def add_engine_routes(app: FastAPI, engine: EngineClient, model_name: str,
     created = int(time.time())
     app.state.monitoring = RateLimit(MONITORING_PER_S)
 
-    @app.get("/v1/models")
-    def show_available_models() -> ModelList:
-        if models is not None:  # ch10: the base model and its adapters
-            return models.show_available_models(engine.max_model_len)
-        return ModelList(data=[ModelCard(id=model_name, created=created,
-                                         max_model_len=engine.max_model_len)])
+    if models is not None:  # ch10: the base model and its adapters, as vLLM lists them
+        app.get("/v1/models")(lambda: models.show_available_models(engine.max_model_len))
+    else:
+        @app.get("/v1/models", response_model_exclude_none=True)  # root, parent: ch10's
+        def show_available_models() -> ModelList:
+            return ModelList(data=[ModelCard(id=model_name, created=created,
+                                             max_model_len=engine.max_model_len)])
 
     @app.get("/health")
     async def health() -> dict:  # on the event loop: no worker thread needed

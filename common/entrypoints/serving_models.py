@@ -71,8 +71,10 @@ def invalid_input(message: str) -> APIError:
 
 class OpenAIServingModels:
     def __init__(self, base_model_name: str, max_loras: int, max_lora_rank: int,
-                 lora_modules: list[LoRAModulePath]):
-        self.base_model_name = base_model_name
+                 lora_modules: list[LoRAModulePath], base_model_path: str | None = None):
+        """`base_model_path`: where the base model's weights come from (its
+        card's `root`, as vLLM shows it)."""
+        self.base_model_name, self.base_model_path = base_model_name, base_model_path
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.static_lora_modules = lora_modules
         self.lora_requests: dict[str, LoRARequest] = {}  # by name, the `model` asked for
@@ -105,7 +107,7 @@ class OpenAIServingModels:
 
     def show_available_models(self, max_model_len: int) -> ModelList:
         base = ModelCard(id=self.base_model_name, created=self.created,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, root=self.base_model_path)
         return ModelList(data=[base] + [
             ModelCard(id=lora.lora_name, created=self.created, root=lora.lora_path,
                       parent=self.base_model_name) for lora in self.lora_requests.values()])

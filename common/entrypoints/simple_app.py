@@ -65,7 +65,7 @@ def build_chat_app(title: str, model_name: str, max_model_len: int, tokenizer,
     created = int(time.time())
     lock = threading.Lock() if serialize else contextlib.nullcontext()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model_exclude_none=True)  # root, parent: ch10's
     def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created,
                                          max_model_len=max_model_len)])

@@ -67,7 +67,7 @@ DURATION    ?=
 VS_VLLM_ARGS = $(if $(LOADS),--loads $(LOADS)) $(if $(DTYPES),--dtypes $(DTYPES)) \
   $(if $(ALTERNATIONS),--alternations $(ALTERNATIONS)) $(if $(DURATION),--duration $(DURATION))
 
-.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve adapters
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve adapters bench-adapters
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -86,7 +86,7 @@ $(STAMP): requirements.txt
 test: $(STAMP) ## run the test suite (offline, CPU)
 	$(PY) -m pytest
 
-exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09): grade your exercise of a chapter; REFERENCE=1 grades the reference
+exercise: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09, 10a, 10b): grade your exercise of a chapter; REFERENCE=1 grades the reference
 	$(PY) -m pytest -m ex$(CH) $(if $(REFERENCE),,--exercise $(CH)) -q
 
 lint-pages: $(STAMP) ## the pages lint: each chapter README's sentence lengths, each deck's slide heights, quotes against their files (python -m tests.check_pages)
@@ -99,7 +99,7 @@ exercises-check: $(STAMP) ## CI: every untouched stub fails its grading tests an
 	$(PY) -m tests.check_exercises
 
 MUTMUT_VERSION := 3.8.1
-mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09) SUITE=both|grading|engine RESUME=1: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
+mutants: $(STAMP) ## CH=04 (01..06, 07a, 07b, 08, 09, 10a, 10b) SUITE=both|grading|engine RESUME=1: mutmut's mutants of the reference component vs the tests -> bench/results/mutants-exNN-*.md
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install --quiet mutmut==$(MUTMUT_VERSION)
 	$(PY) -m tests.mutation $(CH) --suite $(or $(SUITE),both) $(if $(RESUME),--resume)
 
@@ -113,11 +113,11 @@ demo: $(STAMP) ## the instructor's demo: chapter 02 runs out of memory with 2 cl
 	$(PY) -m bench.demo --card $(DEMO_CARD) --port $(PORT) --dtype $(DTYPE)
 
 # watch: the chapter's server with --live-view (03 on), or REPLAY=file with no engine.
-watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file DP=2 (ch09: a tab per engine): a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
+watch: $(STAMP) ## CH=05 PORT=8000 CARD=1.1 RECORD=file DP=2 (ch09: a tab per engine; CH=10: the adapters, coloured by adapter): a chapter's server with the live view at http://127.0.0.1:PORT/ui/ (REPLAY=file: play a recording, no engine)
 	$(if $(REPLAY),$(PY) -m common.entrypoints.live_view --replay $(REPLAY) --port $(PORT),\
 	  $(PY) $$(ls -d $(CHAPTER_DIR))server.py --port $(PORT) --dtype $(DTYPE) \
 	  $(call given,CARD,--device-memory-gb) --live-view $(if $(RECORD),--record-events $(RECORD)) \
-	  $(if $(DP),--data-parallel-size $(DP)))
+	  $(if $(DP),--data-parallel-size $(DP)) $(if $(filter 10,$(CH)),$(ADAPTER_ARGS)))
 
 loadtest: $(STAMP) ## CH=05 CLIENTS=2 REQUESTS=1 MAX_TOKENS=64 CARD=1.1 DTYPE=float32 STREAM=1: load one chapter
 	$(PY) -m bench.loadtest --chapter $(CH) --clients $(CLIENTS) --requests $(REQUESTS) \
@@ -163,11 +163,18 @@ ray-serve: $(STAMP) ## REPLICAS=2 POLICY=prefix-aware PORT=8100 CH=09 DTYPE=floa
 	  --policy $(POLICY) --router-port $(PORT) --dtype $(DTYPE) $(call given,CARD,--device-memory-gb)
 
 # PEERS naming vllm: the other peers (if any) as before, then the alternated comparison.
-bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png (QUICK=1 PEERS=1 URL=http://host:port ...; PEERS=vllm: make bench-vs-vllm)
+bench: $(STAMP) ## every chapter, same card, same load: table + bench/chapters.png, then chapter 10's adapters table (bench-adapters) (QUICK=1 PEERS=1 URL=http://host:port ...; PEERS=vllm: make bench-vs-vllm)
 	$(if $(filter vllm,$(PEERS)),$(if $(filter-out vllm,$(PEERS)),$(PY) -m bench.bench \
 	  --preset $(if $(QUICK),quick,default) $(call peer_args,$(filter-out vllm,$(PEERS))) \
 	  $(OTHER_BENCH_ARGS) && )$(PY) -m bench.vs_vllm $(VS_VLLM_ARGS),\
 	  $(PY) -m bench.bench --preset $(if $(QUICK),quick,default) $(BENCH_ARGS))
+	$(PY) -m bench.adapters $(ADAPTERS_BENCH_ARGS)
+
+# Chapter 10: multi-LoRA against merged models and the base model (bench/adapters.py).
+ADAPTERS_BENCH_ARGS = $(if $(QUICK),--adapters 1 4 --requests 1) \
+                      $(if $(filter vllm,$(PEERS)),--peers vllm)
+bench-adapters: $(STAMP) ## chapter 10: N = 1, 4, 8 adapters served three ways (one multi-LoRA engine, N merged models one at a time, the base model) + the real vLLM with PEERS=vllm (~15 min)
+	$(PY) -m bench.adapters $(ADAPTERS_BENCH_ARGS)
 
 bench-scale: $(STAMP) ## chapter 09: engine in-process vs own process (32, 64 clients); 1 engine vs 2, the router's policies, the real vLLM on a shared-prefix multi-turn workload (~12 min)
 	$(PY) -m bench.scale

@@ -258,7 +258,7 @@ def ranges_end_problems(path: str, last: int, number: int) -> list[str]:
 
 # --------------------------------------------------------- error messages
 ERROR_MESSAGE = re.compile(r'"error"\s*:\s*\{\s*"message"\s*:\s*"((?:[^"\\\n]|\\.)*)("?)')
-CODE_FOLDERS = ("common", "bench", *(p.name for p in sorted(ROOT.glob("0*"))))
+CODE_FOLDERS = ("common", "bench", *(p.name for p in sorted(ROOT.glob("[0-9][0-9]-*"))))
 
 
 @lru_cache(maxsize=None)
@@ -320,11 +320,11 @@ def message_problems(text: str) -> list[str]:
 
 # ------------------------------------------------------------------ report
 def chapter_readmes() -> list[Path]:
-    return sorted(ROOT.glob("0*/README.md"))
+    return sorted(ROOT.glob("[0-9][0-9]-*/README.md"))
 
 
 def decks() -> list[Path]:
-    return sorted(ROOT.glob("0*/slides.md"))
+    return sorted(ROOT.glob("[0-9][0-9]-*/slides.md"))
 
 
 def main() -> int:

@@ -57,7 +57,7 @@ pytestmark = pytest.mark.slides
 
 PAGES = learner_pages()
 COURSE_FOLDERS = ["common", "bench", "pictures", "tests",
-                  *sorted(p.name for p in ROOT.glob("0*"))]
+                  *sorted(p.name for p in ROOT.glob("[0-9][0-9]-*"))]
 # The course's own code only: not the virtual environments or llama.cpp's sources
 # that `make` puts in hidden folders, nor this file, whose strings would vouch for anything.
 CODE = [p for folder in COURSE_FOLDERS for p in (ROOT / folder).rglob("*.py")
@@ -104,7 +104,7 @@ EXTERNAL_COMMANDS = {
     "curl", "git", "pip", "mdp", "source", "guidellm", "llama-server", "ray",
 }
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)
-PATH = re.compile(r"(?<![\w/.-])((?:common|bench|pictures|tests|0\d-[a-z-]+)/[\w./*-]*[\w*])")
+PATH = re.compile(r"(?<![\w/.-])((?:common|bench|pictures|tests|\d\d-[a-z-]+)/[\w./*-]*[\w*])")
 DOTTED_MODULE = re.compile(r"(?<![\w/.-])((?:common|bench|pictures|tests)(?:\.\w+)+)\b")
 MEMBER = re.compile(r"\b([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)\b")
 SNAKE = re.compile(r"(?<![\w.:/-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\b(?![/-])")
@@ -310,7 +310,8 @@ def _server(chapter: str) -> Path | None:
 @lru_cache(maxsize=None)
 def every_script_flag() -> frozenset[str]:
     """What a `--flag` quoted on its own may be: any course script's."""
-    scripts = [*ROOT.glob("0*/*.py"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("pictures/**/*.py"),
+    scripts = [*ROOT.glob("[0-9][0-9]-*/*.py"), *ROOT.glob("bench/**/*.py"),
+               *ROOT.glob("pictures/**/*.py"),
                *ROOT.glob("tests/*.py"),
                *(ROOT / "common/entrypoints" / f for f in ("router.py", "ray_replicas.py"))]
     return frozenset().union(pytest_flags(), *(script_flags(p) for p in scripts))

@@ -274,11 +274,12 @@ def too_long(root: Path = ROOT) -> list[str]:
     over 30 slides."""
     found = []
     readmes = [(root / "README.md", MAX_ROOT_README_LINES)]
-    readmes += [(p, MAX_CHAPTER_README_LINES) for p in sorted(root.glob("0*/README.md"))]
+    readmes += [(p, MAX_CHAPTER_README_LINES)
+                for p in sorted(root.glob("[0-9][0-9]-*/README.md"))]
     for path, limit in readmes:
         if path.exists() and (n := len(path.read_text().splitlines())) > limit:
             found.append(f"{_name(path)}: {n} lines, at most {limit}")
-    for path in sorted(root.glob("0*/slides.md")):
+    for path in sorted(root.glob("[0-9][0-9]-*/slides.md")):
         if (n := len(parse_deck(path).slides)) > MAX_SLIDES:
             found.append(f"{_name(path)}: {n} slides, at most {MAX_SLIDES}")
     return found

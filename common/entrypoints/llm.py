@@ -17,7 +17,7 @@ vLLM's shape), with the prompt's text added.
 `LLM.beam_search` (ch06) runs beam_search.py's search over this engine:
 each step's beams of every prompt go through `generate` together.
 
-Left out: LoRA requests, pooling/embedding models.
+Left out: pooling/embedding models.
 """
 from __future__ import annotations
 

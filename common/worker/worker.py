@@ -182,7 +182,10 @@ def build_worker(config: EngineConfig, rank: int, block_size: int, num_blocks: i
                          cascade_attention=cascade,  # ch05: where the kernels have it
                          adapters=adapters)
     if device.type == "cuda" and not config.enforce_eager and attention_ops is None \
-            and world_size == 1:  # ch05: graphs need the Triton kernels, and one rank
+            and world_size == 1 and adapters is None:  # ch05: graphs need the Triton
+        # kernels and one rank; ch10: a graph would keep the step it was captured
+        # with (no adapter): with LoRA every step runs eagerly (left out: vLLM's
+        # graphs captured per number of adapters)
         runner.capture_decode_graphs(config.max_num_seqs,
                                      config.context_length(loaded.max_model_len))
     block_bytes = KVCache.bytes_per_block(model.config, block_size, loaded.dtype, world_size)

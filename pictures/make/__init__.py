@@ -6,7 +6,8 @@
 - samples.py (`make samples`): the sample outputs the pages quote
   (answers, `/stats`, log lines, engine traces), captured from real runs;
 - pictures.py (`make traces`, `make pictures`): the engine's traces
-  recorded into pictures/data/, and every PNG of pictures/ drawn from them.
+  recorded into pictures/data/, and every PNG of pictures/ drawn from them;
+  lora_products.py draws chapter 10's picture of one step's products.
 
 Left out: measuring throughput or latency (bench/ does; these read its
 results files).

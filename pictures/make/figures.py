@@ -86,6 +86,7 @@ RENDERERS = {
     "bench.scale": "bench.scale.markdown",
     "bench.faults": "bench.faults.markdown",
     "bench.vs_vllm": "bench.vs_vllm.markdown",
+    "bench.adapters": "bench.adapters.markdown",
 }
 # A results file's command: the module it runs, and its subcommand if it has one.
 COMMAND = re.compile(r"python -m ([\w.]+)(?: ([a-z]+)\b)?")
@@ -93,10 +94,11 @@ COMMAND = re.compile(r"python -m ([\w.]+)(?: ([a-z]+)\b)?")
 
 def pages() -> list[Path]:
     """The pages a learner reads."""
+    chapters = "[0-9][0-9]-*"  # 01-concepts ... 10-adapters
     return sorted([ROOT / "README.md", *ROOT.glob("GLOSSARY.md"), ROOT / "bench" / "README.md",
-                   *ROOT.glob("0*/README.md"), *ROOT.glob("0*/appendix.md"),
-                   *ROOT.glob("0*/slides.md"),
-                   *ROOT.glob("0*/exercises/*.md")])
+                   *ROOT.glob(f"{chapters}/README.md"), *ROOT.glob(f"{chapters}/appendix.md"),
+                   *ROOT.glob(f"{chapters}/slides.md"),
+                   *ROOT.glob(f"{chapters}/exercises/*.md")])
 
 
 # ------------------------------------------------------------ results files

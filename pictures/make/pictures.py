@@ -19,9 +19,12 @@ What it draws (`PICTURES`, one data file or two each):
 - card.png: the demo card as stacked bars, weights, activations and KV
   (chapter 03's one 8192-token region against chapter 04's 537 blocks, then
   int4 and one of three tensor-parallel cards) (card.json);
-- engine-map-ch01..08.png: the engine's parts, that chapter's highlighted,
+- engine-map-ch01..10.png: the engine's parts, that chapter's highlighted,
   the later chapters' greyed (engine-map.json, written by hand: each box
-  with the file it lives in and the chapter that adds it).
+  with the file it lives in and the chapter that adds it);
+- lora-products.png: chapter 10's step, one base product for the whole
+  batch and a thin product per adapter (lora-products.json, written by
+  hand; drawn by lora_products.py).
 
 Where the data come from: `--record` runs the real engine in-process
 (`LLMEngine`, the embedded SmolLM2, float32, CPU) and records each step
@@ -53,11 +56,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from pictures.make.lora_products import draw_lora_products
+
 ROOT = Path(__file__).resolve().parents[2]
 PICTURES_DIR = ROOT / "pictures"
 DATA_DIR = PICTURES_DIR / "data"
 RESULTS_DIR = ROOT / "bench" / "results"
-CHAPTERS = ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
+CHAPTERS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
 COMMAND = "python -m pictures.make.pictures --record"
 
 # --------------------------------------------------------------- the load
@@ -765,6 +770,7 @@ PICTURES = {
     "card-ch02.png": (["card.json"], draw_card_ch02),
     **{f"engine-map-ch{c}.png": (["engine-map.json"], partial(draw_engine_map, chapter=c))
        for c in CHAPTERS},
+    "lora-products.png": (["lora-products.json"], draw_lora_products),  # ch10
 }
 STAMP = "data-sha256"  # the PNG text chunk: "file=sha256 file=sha256"
 

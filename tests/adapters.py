@@ -26,3 +26,23 @@ def peft_adapter(base_model, folder: Path, rank: int, alpha: int, seed: int,
             param.data *= 20
     model.save_pretrained(folder)
     return model.merge_and_unload().eval()
+
+
+def lora_engine(loaded, impl, max_loras: int, max_lora_rank: int, **config):
+    """An engine with chapter 10's adapter layer, built from `impl`
+    (tests/components.py): its `LoRAScheduler` (exercise 10b) and its
+    gathered products and mapping in every LoRA layer (exercise 10a);
+    the course's slots and model manager around them."""
+    from functools import partial
+
+    from common.config import EngineConfig
+    from common.engine.parts import EngineParts, assemble_engine
+    from tests.components import lora_manager_cls
+    config.setdefault("device_memory_gb", 2.0)
+    engine_config = EngineConfig(enable_lora=True, max_loras=max_loras,
+                                 max_lora_rank=max_lora_rank, **config)
+    parts = EngineParts(
+        scheduler_cls=partial(impl.LoRAScheduler, max_loras=max_loras),
+        adapters_cls=partial(lora_manager_cls(impl), max_loras=max_loras,
+                             max_lora_rank=max_lora_rank, max_cpu_loras=max_loras))
+    return assemble_engine(engine_config, parts, loaded=loaded)

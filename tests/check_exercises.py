@@ -1,7 +1,7 @@
 """Does each exercise's grader discriminate? (`make exercises-check`, CI.)
 
-For every exercise (01..06, chapter 07's 07a and 07b, 08 and 09: EXERCISES
-in tests/components.py):
+For every exercise (01..06, chapter 07's 07a and 07b, 08, 09, chapter 10's
+10a and 10b: EXERCISES in tests/components.py):
 
 - the grading tests (`-m exNN`) run on the untouched stubs of
   `NN-*/exercises/` (`--exercise NN`), where every one must fail, and fail

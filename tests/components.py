@@ -6,8 +6,9 @@ This is the one switch of the exercises: `pytest --exercise 04` (what
 place of the reference modules of `common/`. The engine takes these
 components as arguments (`LLMEngine(block_manager_cls=..., scheduler_cls=...,
 attention_ops=..., quant_ops=...)`, `Metrics(collector_cls=...,
-latency_logger_cls=...)`, chapter 09's `Router(replicas, policy, ...)`), so
-nothing is patched: the tests build the engine with what they are given.
+latency_logger_cls=...)`, chapter 09's `Router(replicas, policy, ...)`,
+chapter 10's `EngineParts(scheduler_cls=..., adapters_cls=...)`), so nothing
+is patched: the tests build the engine with what they are given.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from common import autoregressive, memory
 from common.core import block_manager, scheduler
 from common.entrypoints import metrics, routing
 from common.layers import attention, quantization, rejection_sampler, token_bitmask
+from common.lora import punica
+from common.lora import scheduler as lora_scheduler
+from common.lora.model_manager import LoRAModelManager
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +66,12 @@ EXERCISES = {
     "09": Exercise("09", "09-scale-out", "routing.py",
                    ("prefix_block_hashes", "HashRing", "PrefixAwarePolicy"),
                    "common/entrypoints/routing.py"),
+    # chapter 10's two: the LoRA products of a mixed batch, the adapter budget
+    "10a": Exercise("10a", "10-adapters", "punica.py",
+                    ("bgmv_shrink", "bgmv_expand", "add_lora_gathered", "LoRAMapping"),
+                    "common/lora/punica.py"),
+    "10b": Exercise("10b", "10-adapters", "scheduler.py", ("LoRAScheduler",),
+                    "common/lora/scheduler.py"),
 }
 
 
@@ -98,6 +108,14 @@ class Components:
     prefix_block_hashes: object = routing.prefix_block_hashes
     HashRing: type = routing.HashRing
     PrefixAwarePolicy: type = routing.PrefixAwarePolicy
+    # ch10: the gathered LoRA products and the step's mapping (the engine
+    # runs them through `lora_manager_cls`, below), and the scheduler that
+    # keeps a step within --max-loras adapters
+    bgmv_shrink: object = punica.bgmv_shrink
+    bgmv_expand: object = punica.bgmv_expand
+    add_lora_gathered: object = punica.add_lora_gathered
+    LoRAMapping: type = punica.LoRAMapping
+    LoRAScheduler: type = lora_scheduler.LoRAScheduler
     exercise: str | None = field(default=None)
 
 
@@ -115,6 +133,37 @@ def int8_quant_ops(quantize_int8, int8_linear) -> SimpleNamespace:
         return int8_linear(x, layer.qweight, layer.scales, layer.bias)
 
     return SimpleNamespace(name="exercise 08 (int8: yours)", quantize=quantize, linear=linear)
+
+
+class GatheredPunicaWrapper(punica.PunicaWrapper):
+    """The engine's `PunicaWrapper` with exercise 10a's mapping and gathered
+    product in place of the course's grouped one: what every LoRA layer of
+    the model calls (common/lora/layers.py)."""
+
+    def __init__(self, mapping_cls: type, add_lora_gathered):
+        super().__init__(grouped=False)
+        self.mapping_cls, self.add_lora_gathered = mapping_cls, add_lora_gathered
+
+    def update_metadata(self, token_lora_indices):
+        self.mapping = self.mapping_cls.from_indices(token_lora_indices)
+
+    def add_lora_linear(self, y, x, lora_a, lora_b, scaling) -> None:
+        if self.mapping.groups:  # none: no token of the step has an adapter
+            self.add_lora_gathered(y, x, lora_a, lora_b, scaling,
+                                   self.mapping.token_lora_indices)
+
+
+def lora_manager_cls(impl: "Components") -> type:
+    """The course's `LoRAModelManager` (slots, loading, the step's
+    mapping), its products `impl`'s: a class to give the engine as
+    `EngineParts(adapters_cls=partial(cls, max_loras=..., ...))`."""
+    class ExerciseLoRAModelManager(LoRAModelManager):
+        def wrap(self, forward) -> None:
+            # before the layers are wrapped: they all keep this one wrapper
+            self.punica = GatheredPunicaWrapper(impl.LoRAMapping, impl.add_lora_gathered)
+            super().wrap(forward)
+
+    return ExerciseLoRAModelManager
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ def wait_for(condition, what: str, timeout: float = 120.0) -> None:
 # ------------------------------------------------------------- exercises
 def pytest_addoption(parser):
     parser.addoption("--exercise", metavar="CH", default=None,
-                     help="grade the learner's component of exercise CH (01..06, 07a, 07b, 08, 09: "
+                     help="grade the learner's component of exercise CH (01..06, 07a, 07b, 08, 09, "
+                          "10a, 10b: "
                           "tests/components.py's EXERCISES, from NN-*/exercises/) instead "
                           "of the reference (make exercise CH=04)")
     parser.addoption("--skip-model-tests", action="store_true",

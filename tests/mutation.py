@@ -127,6 +127,16 @@ TARGETS: dict[str, Target] = {
                  (function("prefix_block_hashes"), method("HashRing"),
                   method("PrefixAwarePolicy")),
                  ("test_routing.py", "test_router.py")),
+    # chapter 10: the gathered products and the mapping (not the grouped
+    # product nor PunicaWrapper), then the adapter budget (not _admit)
+    "10a": Target("common/lora/punica.py",
+                  (function("bgmv_shrink"), function("bgmv_expand"),
+                   function("add_lora_gathered"), method("LoRAMapping", "from_indices")),
+                  ("test_lora.py", "test_ch10_server.py")),
+    "10b": Target("common/lora/scheduler.py",
+                  (method("LoRAScheduler", "running_loras"),
+                   method("LoRAScheduler", "over_lora_budget")),
+                  ("test_lora.py", "test_ch10_server.py")),
 }
 
 ON_THE_CPU = ("device=None is the default device, the CPU, where the tests run here; on a "
@@ -290,6 +300,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "exactly where removing it sends them; only the ring's memory differs",
     ("09", "return self.fallback.choose(None, alive)"):
         "LeastLoadedPolicy reads the replicas' loads, never the prompt",
+    # ------------------------------------------- 10a, the LoRA products
+    **{("10a", line): "einsum's subscripts may be upper-case letters as well: the same "
+       "names, the same sums, the same product"
+       for line in ('return torch.einsum("TI,TRI->TR", x, a) * scaling[indices, None]',
+                    'return torch.einsum("TR,TOR->TO", h, b)')},
 }
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
@@ -333,7 +348,7 @@ def prepare(workdir: Path, exercise: str, suite: str) -> None:
 
 # What the tests import beside common/ and tests/: bench/, the pictures'
 # scripts, and the chapters' server.py files (their `engine_parts`).
-EXTRA_FOLDERS = ("bench", "pictures", *sorted(p.name for p in ROOT.glob("0[0-9]-*")))
+EXTRA_FOLDERS = ("bench", "pictures", *sorted(p.name for p in ROOT.glob("[0-9][0-9]-*")))
 
 
 def copy_tree(workdir: Path) -> None:

@@ -593,6 +593,126 @@ NAMED_BUGS: list[NamedBug] = [
         new="""            return replicas[0]""",
         hint=7,
         caught_by="test_ch09_routing_exercise.py::test_a_prompt_shorter_than_a_block_goes_to_the_least_loaded_healthy_replica"),
+    # ----------------------------------- 10a, the LoRA products of a mixed batch
+    NamedBug(
+        "10a", "one adapter for the whole batch, the first row's",
+        "every request of a mixed step runs the first request's adapter: the base "
+        "model's requests and the other adapters' answer in its style",
+        old="""    a = lora_a[indices]  # (T, r, in): row t's A
+    return torch.einsum("ti,tri->tr", x, a) * scaling[indices, None]""",
+        new="""    a = lora_a[indices[0]]  # (r, in): the batch's A
+    return torch.einsum("ti,ri->tr", x, a) * scaling[indices, None]""",
+        hint=1,
+        caught_by="test_ch10_lora_products_exercise.py::test_bgmv_shrink_gives_each_row_its_own_a"),
+    NamedBug(
+        "10a", "the scaling alpha / r forgotten",
+        "every adapter's change comes out lora_alpha / r times too small or too large: "
+        "not the model it was trained as (peft's merged model)",
+        old="""    return torch.einsum("ti,tri->tr", x, a) * scaling[indices, None]""",
+        new="""    return torch.einsum("ti,tri->tr", x, a)""",
+        hint=3,
+        caught_by="test_ch10_lora_products_exercise.py::"
+                  "test_bgmv_shrink_scales_each_row_by_its_own_adapters_alpha_over_r"),
+    NamedBug(
+        "10a", "one scale for the batch, the first slot's",
+        "adapters of different alpha / r in one step all get slot 0's scale: an "
+        "adapter's answers change with the adapters it happens to share a step with",
+        old="""    return torch.einsum("ti,tri->tr", x, a) * scaling[indices, None]""",
+        new="""    return torch.einsum("ti,tri->tr", x, a) * scaling[0]""",
+        hint=3,
+        caught_by="test_ch10_lora_products_exercise.py::"
+                  "test_bgmv_shrink_scales_each_row_by_its_own_adapters_alpha_over_r"),
+    NamedBug(
+        "10a", "A and B swapped, the shapes mended by transposes",
+        "on a square projection (q_proj, o_proj) it runs and adds x @ (B A), the merged "
+        "change untransposed: the adapter's answers are wrong; on the others it crashes",
+        old="""    h = bgmv_shrink(x[rows], lora_a, slots, scaling)  # (R, r)
+    y.index_add_(0, rows, bgmv_expand(h, lora_b, slots))""",
+        new="""    h = bgmv_shrink(x[rows], lora_b.transpose(1, 2), slots, scaling)  # (R, r)
+    y.index_add_(0, rows, bgmv_expand(h, lora_a.transpose(1, 2), slots))""",
+        hint=2,
+        caught_by="test_ch10_lora_products_exercise.py::"
+                  "test_the_change_is_x_times_the_merged_weight_transposed"),
+    NamedBug(
+        "10a", "rows without an adapter given the last slot's (index -1 wraps round)",
+        "a base model request that shares a step with adapters runs the adapter of the "
+        "last slot: lora_a[-1] is a slot, not 'none'",
+        old="""    rows = (indices != NO_LORA).nonzero().squeeze(1)  # (R,): the rows with an adapter
+    if len(rows) == 0:
+        return
+    slots = indices[rows]  # (R,)
+    h = bgmv_shrink(x[rows], lora_a, slots, scaling)  # (R, r)
+    y.index_add_(0, rows, bgmv_expand(h, lora_b, slots))""",
+        new="""    h = bgmv_shrink(x, lora_a, indices, scaling)  # (T, r)
+    y += bgmv_expand(h, lora_b, indices)""",
+        hint=4,
+        caught_by="test_ch10_lora_products_exercise.py::test_rows_without_an_adapter_are_left_alone"),
+    NamedBug(
+        "10a", "the changes added to the first rows, not to the rows they came from",
+        "in a step that mixes the base model and adapters, adapter rows' changes land "
+        "on other requests' tokens",
+        old="""    y.index_add_(0, rows, bgmv_expand(h, lora_b, slots))""",
+        new="""    y[:len(rows)] += bgmv_expand(h, lora_b, slots)""",
+        hint=4,
+        caught_by="test_ch10_lora_products_exercise.py::test_rows_without_an_adapter_are_left_alone"),
+    NamedBug(
+        "10a", "the sum assigned to a new y instead of added in place",
+        "the layer's output never changes: every adapter answers as the base model",
+        old="""    y.index_add_(0, rows, bgmv_expand(h, lora_b, slots))""",
+        new="""    y = y.index_add(0, rows, bgmv_expand(h, lora_b, slots))""",
+        hint=5,
+        caught_by="test_ch10_lora_products_exercise.py::test_the_change_is_added_in_place_to_a_view"),
+    NamedBug(
+        "10a", "NO_LORA grouped as if it were a slot",
+        "the grouped product (the engine's on the CPU) gives the base model's tokens "
+        "the last slot's adapter",
+        old="""                  for slot in indices.unique().tolist() if slot != NO_LORA]""",
+        new="""                  for slot in indices.unique().tolist()]""",
+        hint=7,
+        caught_by="test_ch10_lora_products_exercise.py::test_the_mapping_groups_each_slot_with_its_rows"),
+    # ----------------------------------------- 10b, the scheduler's adapter budget
+    NamedBug(
+        "10b", "the base model counted as an adapter",
+        "with base model requests running, one slot fewer for adapters: with "
+        "--max-loras 1 no adapter runs beside the base model at all",
+        old="""        return {seq.lora_int_id for seq in self.running} - {0}""",
+        new="""        return {seq.lora_int_id for seq in self.running}""",
+        hint=1,
+        caught_by="test_ch10_lora_budget_exercise.py::"
+                  "test_the_running_adapters_leave_the_base_model_and_the_queue_out"),
+    NamedBug(
+        "10b", "the waiting requests' adapters counted as running",
+        "a waiting adapter counts itself as running and is admitted into full slots: "
+        "the model manager refuses the step (RuntimeError)",
+        old="""        return {seq.lora_int_id for seq in self.running} - {0}""",
+        new="""        return {seq.lora_int_id for seq in [*self.running, *self.waiting]} - {0}""",
+        hint=1,
+        caught_by="test_ch10_lora_budget_exercise.py::"
+                  "test_the_running_adapters_leave_the_base_model_and_the_queue_out"),
+    NamedBug(
+        "10b", "a base model request held back when the slots are full",
+        "requests without an adapter wait for adapter slots they do not need",
+        old="""        return bool(seq.lora_int_id) and seq.lora_int_id not in loras \\""",
+        new="""        return seq.lora_int_id not in loras \\""",
+        hint=2,
+        caught_by="test_ch10_lora_budget_exercise.py::test_a_base_model_request_needs_no_slot"),
+    NamedBug(
+        "10b", "a request of a running adapter made to wait for a slot of its own",
+        "once the slots are full, nobody else of a running adapter gets in: its "
+        "requests run one batch after another instead of together",
+        old="""        return bool(seq.lora_int_id) and seq.lora_int_id not in loras \\""",
+        new="""        return bool(seq.lora_int_id) \\""",
+        hint=2,
+        caught_by="test_ch10_lora_budget_exercise.py::test_an_adapter_already_running_shares_its_slot"),
+    NamedBug(
+        "10b", "the slot budget off by one",
+        "a step gets max_loras + 1 adapters: the model manager has no slot for the "
+        "last one and refuses the step (RuntimeError)",
+        old="""            and len(loras) >= self.max_loras""",
+        new="""            and len(loras) > self.max_loras""",
+        hint=3,
+        caught_by="test_ch10_lora_budget_exercise.py::"
+                  "test_a_new_adapter_waits_only_when_every_slot_is_taken"),
 ]
 
 

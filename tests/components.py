@@ -141,7 +141,7 @@ class GatheredPunicaWrapper(punica.PunicaWrapper):
     the model calls (common/lora/layers.py)."""
 
     def __init__(self, mapping_cls: type, add_lora_gathered):
-        super().__init__(grouped=False)
+        super().__init__(punica.LoRAKernel.GATHERED)
         self.mapping_cls, self.add_lora_gathered = mapping_cls, add_lora_gathered
 
     def update_metadata(self, token_lora_indices):

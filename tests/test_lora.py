@@ -1,4 +1,4 @@
-"""LoRA adapters (ch10, common/lora/): the gathered and the grouped product
+"""LoRA adapters (ch10, common/lora/): the gathered, grouped and stacked products
 against a per-row loop over merged weights; an adapter read from the
 folder peft saves; our forward pass with an adapter in a slot against HF's
 on peft's merged model; a mixed batch giving each sequence what it gets alone."""
@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.layers.attention import AttentionMetadata
 from common.lora.lora_model import LoRALoadError, LoRAModel
 from common.lora.model_manager import LoRAModelManager
-from common.lora.punica import NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped
+from common.lora.punica import (NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped,
+                                add_lora_stacked, slot_onehot)
 from common.memory import Card
 from common.models import build_forward
 from common.worker.kv_cache import KVCache
@@ -33,7 +34,7 @@ def random_stacks(slots=3, rank=4, d_in=16, d_out=24, seed=0):
 
 @pytest.mark.parametrize("indices", [[0, 2, NO_LORA, 2, 1, 0, NO_LORA], [1] * 5,
                                      [NO_LORA] * 4, [2]])
-def test_gathered_and_grouped_products_give_each_row_its_adapter(indices):
+def test_the_three_forms_of_the_products_give_each_row_its_adapter(indices):
     lora_a, lora_b, scaling = random_stacks()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(len(indices), 16, generator=gen)
@@ -43,11 +44,15 @@ def test_gathered_and_grouped_products_give_each_row_its_adapter(indices):
         if slot != NO_LORA:
             expected[t] += scaling[slot] * x[t] @ (lora_b[slot] @ lora_a[slot]).T
     idx = torch.tensor(indices)
-    gathered, grouped = base.clone(), base.clone()
+    gathered, grouped, stacked, stacked_view = (base.clone() for _ in range(4))
     add_lora_gathered(gathered, x, lora_a, lora_b, scaling, idx)
     add_lora_grouped(grouped, x, lora_a, lora_b, scaling, LoRAMapping.from_indices(idx))
-    torch.testing.assert_close(gathered, expected)
-    torch.testing.assert_close(grouped, expected)
+    onehot = slot_onehot(idx, 3, torch.float32)
+    add_lora_stacked(stacked, x, lora_a, lora_b, scaling, onehot)
+    b_view = lora_b.transpose(1, 2).contiguous().transpose(1, 2)  # LoRASlots' layout
+    add_lora_stacked(stacked_view, x, lora_a, b_view, scaling, onehot)
+    for got in (gathered, grouped, stacked, stacked_view):
+        torch.testing.assert_close(got, expected)
 
 
 def flat_batch(sequences: list[list[int]], block_size: int = 16):

@@ -150,7 +150,7 @@ def test_wrapper_launches_nothing_without_adapters_and_matches_punica_wrapper(mo
     lora_a, lora_b, scaling = lora_stacks(96, 40, 8, torch.float32)
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     base = torch.randn(7, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    wrapper, reference = triton_ops.PunicaWrapperTriton(), punica.PunicaWrapper(grouped=True)
+    wrapper, reference = triton_ops.PunicaWrapperTriton(), punica.PunicaWrapper(punica.LoRAKernel.GROUPED)
 
     idx = torch.tensor([2, NO_LORA, 0, 0, 1, NO_LORA, 2], device=DEVICE)
     wrapper.update_metadata(idx)

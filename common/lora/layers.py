@@ -35,13 +35,18 @@ class LoRASlots:
             if card is None:
                 return torch.zeros(shape, dtype=dtype, device=device)
             return card.allocate(shape, dtype, "LoRA slots")
-        self.lora_a = zeros(max_loras, max_rank, in_features)
-        self.lora_b = zeros(max_loras, out_features, max_rank)
+        self.lora_a = zeros(max_loras, max_rank, in_features)  # (S, r, in)
+        # B is kept as (S, r, out): all the slots' B read as one (S * r, out)
+        # matrix without a copy (punica.add_lora_stacked). `lora_b` is its
+        # transposed view, (S, out, r): vLLM's layout, what the other forms read.
+        self.lora_b_t = zeros(max_loras, max_rank, out_features)
+        self.lora_b = self.lora_b_t.transpose(1, 2)
         self.scaling = zeros(max_loras)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.scaling))
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b_t,
+                                                            self.scaling))
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Put an adapter's A, B and scaling in `slot` (None: zeros)."""

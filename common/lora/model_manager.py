@@ -31,7 +31,7 @@ import torch
 
 from common.lora.layers import LinearWithLoRA, LoRASlots, MergedLinearWithLoRA
 from common.lora.lora_model import LoRAModel
-from common.lora.punica import NO_LORA, PunicaWrapper
+from common.lora.punica import NO_LORA, LoRAKernel, PunicaWrapper
 from common.lora.request import LoRARequest
 from common.lora.scheduler import LoRAScheduler
 from common.memory import format_bytes
@@ -44,7 +44,8 @@ GATE_UP = ("gate_proj", "up_proj")
 
 class LoRAModelManager:
     def __init__(self, forward, dtype: torch.dtype, card=None, *, max_loras: int,
-                 max_lora_rank: int, max_cpu_loras: int, grouped: bool = True):
+                 max_lora_rank: int, max_cpu_loras: int,
+                 kernel: LoRAKernel = LoRAKernel.STACKED):
         """`card`: where the slots are booked (common/memory.py's Card; the
         worker builds the manager before the KV cache takes the rest)."""
         if max_cpu_loras < max_loras:
@@ -55,8 +56,8 @@ class LoRAModelManager:
         if forward.hf.device.type == "cuda":  # the Triton kernels (common/lora/triton_ops.py)
             from common.lora.triton_ops import PunicaWrapperTriton
             self.punica = PunicaWrapperTriton()
-        else:  # the CPU: a grouped product per adapter (oneDNN), or the gathered reference
-            self.punica = PunicaWrapper(grouped)
+        else:  # the CPU: the stacked products (or, `kernel`, another form)
+            self.punica = PunicaWrapper(kernel)
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id in each slot
         self.slot_use: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
         self.cpu_cache: OrderedDict[int, LoRAModel] = OrderedDict()  # id -> weights, LRU

@@ -10,8 +10,8 @@ keeps its place at the front of the queue).
 
 The trade-off `--max-loras` sets: each slot holds every adapted
 projection's A and B on the card whether it is used or not, and the
-grouped product runs once per adapter in the step; fewer slots, and
-requests for other adapters wait.
+products of every step read every slot (common/lora/punica.py's stacked
+form); fewer slots, and requests for other adapters wait.
 
 Left out: vLLM's LoRA-aware preemption, priorities between adapters.
 """

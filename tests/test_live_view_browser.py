@@ -5,11 +5,14 @@ of each step, replay a recording the same way, and reconnect by itself
 when the server restarts. The screenshot of the first test is the
 README's picture of the view (pictures/screenshots/live-view.png).
 Chapter 09 with two engine processes: a tab per engine, each drawing its own.
+Chapter 10's recording, replayed: requests coloured by adapter.
 
 Skipped, saying why, where Chromium or its driver cannot be installed
 (`.ci/run` installs them with apt-get)."""
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -180,6 +183,16 @@ def test_a_replay_draws_the_same_frames(watched, browser):
     for step in steps:
         show(browser, step)
         live[step] = browser.execute_script("return window.liveView.summary();")
+    with replayed(browser, recording, len(frames)):
+        assert page_state(browser, "mode") == "replay"
+        for step in steps:
+            show(browser, step)
+            assert browser.execute_script("return window.liveView.summary();") == live[step]
+
+
+@contextlib.contextmanager
+def replayed(browser, recording: Path, num_frames: int):
+    """The page open on `recording`, replayed with no engine, all its frames loaded."""
     port = free_port()
     replay = subprocess.Popen([sys.executable, "-m", "common.entrypoints.live_view",
                                "--replay", str(recording), "--port", str(port)],
@@ -194,14 +207,50 @@ def test_a_replay_draws_the_same_frames(watched, browser):
                 time.sleep(0.1)
         browser.get(url)
         wait_for_page(browser, "the recording loaded",
-                      lambda d: len(frames_in_page(d) or []) == len(frames))
-        assert page_state(browser, "mode") == "replay"
-        for step in steps:
-            show(browser, step)
-            assert browser.execute_script("return window.liveView.summary();") == live[step]
+                      lambda d: len(frames_in_page(d) or []) == num_frames)
+        yield
     finally:
         replay.terminate()
         replay.wait(timeout=30)
+
+
+def test_requests_are_coloured_by_adapter(embedded, browser, tmp_path):
+    """Chapter 10, one adapter slot, two adapters and the base model: a
+    recording of the offline engine, replayed. At a step where one
+    adapter runs and the other waits, every request of an adapter has its
+    adapter's colour and name, the base model's another colour, and the
+    batch says how many of the slots are taken."""
+    from common.entrypoints.llm import LLM
+    from common.lora.request import LoRARequest
+    from common.metrics.step_events import JsonlRecorder
+    from common.sampling_params import SamplingParams
+    llm = LLM(loaded=embedded, chapter="10", enable_lora=True, max_loras=1, max_lora_rank=8,
+              device_memory_gb=2.0)
+    recording = tmp_path / "adapters.jsonl"
+    recorder = JsonlRecorder(str(recording), llm.engine.describe())
+    llm.engine.enable_step_events().subscribe(recorder)
+    adapters = ROOT / "10-adapters" / "adapters"
+    loras = [None, LoRARequest("pirate", 1, str(adapters / "pirate")),
+             LoRARequest("shout", 2, str(adapters / "shout"))]
+    llm.generate(["Hi"] * 6, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=[loras[i % 3] for i in range(6)])
+    recorder.close()
+    frames = [json.loads(line) for line in recording.read_text().splitlines()[1:]]
+    step = next(f["step"] for f in frames if f["lora"]["waiting_lora_adapters"])
+    with replayed(browser, recording, len(frames)):
+        show(browser, step)
+        chips = browser.execute_script("""
+            return [...document.querySelectorAll('#running li, #waiting li')]
+              .map(li => [li.textContent, li.style.getPropertyValue('--hue')]);""")
+        budget = browser.find_element(By.ID, "lora-budget").text
+    hues: dict[str, set[str]] = {}
+    for text, hue in chips:
+        name = text.rsplit(" · ", 1)[1] if " · " in text else "base"
+        hues.setdefault(name, set()).add(hue)
+    assert set(hues) == {"base", "pirate", "shout"}, chips
+    assert all(len(h) == 1 for h in hues.values()), hues  # one colour per adapter
+    assert len(set().union(*hues.values())) == 3, hues  # and three colours
+    assert budget.startswith("Adapters in the batch: 1 of 1 slots"), budget
 
 
 def test_the_page_reconnects_after_a_restart(watched, browser):

@@ -23,7 +23,7 @@ from common import autoregressive, memory
 from common.core import block_manager, scheduler
 from common.entrypoints import metrics, routing
 from common.layers import attention, quantization, rejection_sampler, token_bitmask
-from common.lora import punica
+from common.lora import punica, punica_wrapper
 from common.lora import scheduler as lora_scheduler
 from common.lora.model_manager import LoRAModelManager
 
@@ -135,13 +135,13 @@ def int8_quant_ops(quantize_int8, int8_linear) -> SimpleNamespace:
     return SimpleNamespace(name="exercise 08 (int8: yours)", quantize=quantize, linear=linear)
 
 
-class GatheredPunicaWrapper(punica.PunicaWrapper):
+class GatheredPunicaWrapper(punica_wrapper.PunicaWrapper):
     """The engine's `PunicaWrapper` with exercise 10a's mapping and gathered
     product in place of the course's grouped one: what every LoRA layer of
     the model calls (common/lora/layers.py)."""
 
     def __init__(self, mapping_cls: type, add_lora_gathered):
-        super().__init__(punica.LoRAKernel.GATHERED)
+        super().__init__(punica_wrapper.LoRAKernel.GATHERED)
         self.mapping_cls, self.add_lora_gathered = mapping_cls, add_lora_gathered
 
     def update_metadata(self, token_lora_indices):

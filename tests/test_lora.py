@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.layers.attention import AttentionMetadata
 from common.lora.lora_model import LoRALoadError, LoRAModel
 from common.lora.model_manager import LoRAModelManager
-from common.lora.punica import (NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped,
-                                add_lora_stacked, slot_onehot)
+from common.lora.punica import NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped
+from common.lora.punica_wrapper import add_lora_stacked, slot_onehot
 from common.memory import Card
 from common.models import build_forward
 from common.worker.kv_cache import KVCache

@@ -20,7 +20,7 @@ from tests.test_triton_kernels import ON_CUDA, use_triton_interpreter  # noqa: E
 if not ON_CUDA:
     use_triton_interpreter()  # before common.lora.triton_ops defines its kernels
 
-from common.lora import punica  # noqa: E402
+from common.lora import punica, punica_wrapper  # noqa: E402
 from common.lora import triton_ops  # noqa: E402
 from common.lora.punica import NO_LORA  # noqa: E402
 
@@ -146,11 +146,12 @@ def test_expand_alone_adds_in_place_and_leaves_the_rows_without_adapter():
 
 def test_wrapper_launches_nothing_without_adapters_and_matches_punica_wrapper(monkeypatch):
     """PunicaWrapperTriton answers the LoRA layers' two calls as
-    punica.PunicaWrapper does; a step with no adapter launches no kernel."""
+    punica_wrapper.PunicaWrapper does; a step with no adapter launches no kernel."""
     lora_a, lora_b, scaling = lora_stacks(96, 40, 8, torch.float32)
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     base = torch.randn(7, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    wrapper, reference = triton_ops.PunicaWrapperTriton(), punica.PunicaWrapper(punica.LoRAKernel.GROUPED)
+    wrapper, reference = triton_ops.PunicaWrapperTriton(), punica_wrapper.PunicaWrapper(
+        punica_wrapper.LoRAKernel.GROUPED)
 
     idx = torch.tensor([2, NO_LORA, 0, 0, 1, NO_LORA, 2], device=DEVICE)
     wrapper.update_metadata(idx)

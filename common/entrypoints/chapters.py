@@ -172,6 +172,7 @@ MODULE_CHAPTERS: dict[str, str] = {
     "common.lora": "10", "common.lora.request": "10", "common.lora.lora_model": "10",
     "common.lora.punica": "10", "common.lora.layers": "10", "common.lora.scheduler": "10",
     "common.lora.model_manager": "10", "common.lora.triton_ops": "10",
+    "common.lora.punica_wrapper": "10",
     "common.entrypoints.serving_models": "10",
 }
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from common.lora.lora_model import LoRALayerWeights
-from common.lora.punica import PunicaWrapper
+from common.lora.punica_wrapper import PunicaWrapper
 
 
 class LoRASlots:
@@ -37,7 +37,7 @@ class LoRASlots:
             return card.allocate(shape, dtype, "LoRA slots")
         self.lora_a = zeros(max_loras, max_rank, in_features)  # (S, r, in)
         # B is kept as (S, r, out): all the slots' B read as one (S * r, out)
-        # matrix without a copy (punica.add_lora_stacked). `lora_b` is its
+        # matrix without a copy (punica_wrapper.add_lora_stacked). `lora_b` is its
         # transposed view, (S, out, r): vLLM's layout, what the other forms read.
         self.lora_b_t = zeros(max_loras, max_rank, out_features)
         self.lora_b = self.lora_b_t.transpose(1, 2)

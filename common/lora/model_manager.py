@@ -31,7 +31,8 @@ import torch
 
 from common.lora.layers import LinearWithLoRA, LoRASlots, MergedLinearWithLoRA
 from common.lora.lora_model import LoRAModel
-from common.lora.punica import NO_LORA, LoRAKernel, PunicaWrapper
+from common.lora.punica import NO_LORA
+from common.lora.punica_wrapper import LoRAKernel, PunicaWrapper
 from common.lora.request import LoRARequest
 from common.lora.scheduler import LoRAScheduler
 from common.memory import format_bytes

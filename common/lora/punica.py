@@ -10,8 +10,8 @@ low-rank change. The adapters sit in `max_loras` slots, stacked:
 (scaling: each adapter's alpha / r), and `token_lora_indices` (T,) says
 each token's slot (-1: none). A token t of slot s gets
 y_t += scaling_s * B_s (A_s x_t). Three equal ways to compute it
-(`LoRAKernel`; Punica: Chen et al., 2023, arXiv:2310.18547; S-LoRA:
-Sheng et al., 2023, arXiv:2311.03285):
+(Punica: Chen et al., 2023, arXiv:2310.18547; S-LoRA: Sheng et al.,
+2023, arXiv:2311.03285), the first two here:
 
 - gathered, per token (vLLM's `bgmv_shrink` / `bgmv_expand`): each row
   picks its own A and B out of the stack, `lora_a[indices]`: (T, r, in).
@@ -20,20 +20,14 @@ Sheng et al., 2023, arXiv:2311.03285):
   adapter): for each slot in use, its rows in two small products,
   `(x[rows] @ A^T) @ B^T`, added back at those rows: 5 small operations
   per slot, per projection, per layer;
-- stacked, every slot at once: x against all the slots' A as one
-  (slots * r, in) matrix, each row keeping only its own slot's r columns
-  (the others multiplied by 0), then against all the B as one
-  (slots * r, out) matrix: two products for the batch, whatever the
-  adapters. It does `slots` times the shrink's arithmetic, which at rank 8
-  is still a thin product, and saves the launches: what the engine runs
-  on the CPU (bench/adapters.py measures the three).
+- stacked, every slot at once (common/lora/punica_wrapper.py, with the
+  wrapper that picks one of the three for the model's LoRA layers).
 
 Left out: the fused kernels of vLLM's Triton and CUDA ops (one launch for
 every slice and slot), LoRA on the embedding and the LM head.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -93,58 +87,3 @@ def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
             continue
         h = (x.index_select(0, rows) @ lora_a[slot].T) * scale  # (R_s, r)
         y.index_add_(0, rows, h @ lora_b[slot].T)  # (R_s, out) added at its rows
-
-
-def slot_onehot(indices: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """(T, slots): 1 where token t runs slot s; a NO_LORA row is all 0."""
-    return (indices[:, None] == torch.arange(num_slots, device=indices.device)).to(dtype)
-
-
-def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                     lora_b: torch.Tensor, scaling: torch.Tensor,
-                     onehot: torch.Tensor) -> None:
-    """The same as `add_lora_gathered`, two products for the batch (module
-    docstring). onehot: (T, slots), `slot_onehot`. lora_b (slots, out, r) is
-    best the transposed view of a (slots, r, out) tensor (LoRASlots keeps
-    it so): then all the B read as one matrix without a copy."""
-    slots, rank, d_in = lora_a.shape
-    h = x @ lora_a.reshape(slots * rank, d_in).T  # (T, slots * r): every slot's A x
-    keep = (onehot * scaling)[:, :, None]  # (T, slots, 1): its own slot's alpha / r, else 0
-    h = (h.view(-1, slots, rank) * keep).view(-1, slots * rank)
-    y.addmm_(h, lora_b.transpose(1, 2).reshape(slots * rank, -1))  # += (T, r*s) @ (r*s, out)
-
-
-class LoRAKernel(enum.Enum):
-    """Which of the three forms a PunicaWrapper runs (module docstring)."""
-    GATHERED = "gathered"  # per token: the reference, exercise 10a's
-    GROUPED = "grouped"  # per adapter, two small products each
-    STACKED = "stacked"  # every slot at once: the engine's on the CPU
-
-
-class PunicaWrapper:
-    """The step's mapping, shared by every LoRA layer of the model (vLLM's
-    PunicaWrapperCPU): the model runner sets it before each forward pass."""
-
-    def __init__(self, kernel: LoRAKernel = LoRAKernel.STACKED):
-        self.kernel = kernel
-        self.mapping = LoRAMapping(torch.empty(0, dtype=torch.long))
-        self.onehot: torch.Tensor | None = None  # the stacked form's, made at its first use
-
-    def update_metadata(self, token_lora_indices: torch.Tensor) -> None:
-        self.mapping = LoRAMapping.from_indices(token_lora_indices)
-        self.onehot = None
-
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor, scaling: torch.Tensor) -> None:
-        """y (T, out) += each token's adapter's change of x (T, in), in place."""
-        if not self.mapping.groups:
-            return
-        indices = self.mapping.token_lora_indices
-        if self.kernel is LoRAKernel.STACKED:
-            if self.onehot is None:  # once a step, for every layer
-                self.onehot = slot_onehot(indices, lora_a.shape[0], x.dtype)
-            add_lora_stacked(y, x, lora_a, lora_b, scaling, self.onehot)
-        elif self.kernel is LoRAKernel.GROUPED:
-            add_lora_grouped(y, x, lora_a, lora_b, scaling, self.mapping)
-        else:
-            add_lora_gathered(y, x, lora_a, lora_b, scaling, indices)

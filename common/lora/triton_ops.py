@@ -15,7 +15,7 @@ the same stacks, with vLLM's names (vllm/lora/ops/triton_ops: `bgmv_shrink`,
 
 `add_lora_triton` is the two in a row (punica.add_lora_gathered's
 meaning), and `PunicaWrapperTriton` the step's mapping with the same two
-methods as punica.PunicaWrapper, for the LoRA layers of common/lora/layers.py.
+methods as punica_wrapper.PunicaWrapper, for the LoRA layers of common/lora/layers.py.
 
 One program per (token, tile of outputs): the token loads its slot, and
 walks the reduction dimension BLOCK_K at a time, multiplying a (BLOCK_N,
@@ -212,7 +212,7 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
 
 class PunicaWrapperTriton:
     """The step's mapping for the Triton kernels (vLLM's PunicaWrapperGPU):
-    the same two calls as punica.PunicaWrapper, so the LoRA layers do not
+    the same two calls as punica_wrapper.PunicaWrapper, so the LoRA layers do not
     know which one they hold. The model runner sets it before each pass."""
 
     def __init__(self):

@@ -5,7 +5,8 @@ Chapter 09's server and engine, with one component more: the adapter layer
 `--max-loras` slots of LoRA weights beside its base weight, a request's
 `model` names its adapter, and one step mixes requests of different
 adapters (and of none): the base product once for the whole batch, each
-token's own low-rank product added (common/lora/punica.py). The scheduler
+token's own low-rank product added (common/lora/punica_wrapper.py, on the
+CPU in its stacked form; the ops in common/lora/punica.py). The scheduler
 admits at most `--max-loras` distinct adapters into a step
 (common/lora/scheduler.py).
 

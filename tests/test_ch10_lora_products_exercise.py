@@ -230,8 +230,8 @@ def test_the_mapping_groups_each_slot_with_its_rows(impl):
 
 
 def test_the_grouped_product_with_your_mapping_equals_the_loop(impl):
-    """The course's grouped product (what the engine runs on the CPU),
-    driven by your mapping: each slot's rows get that slot's change."""
+    """The course's grouped product (a slot in use at a time), driven by
+    your mapping: each slot's rows get that slot's change."""
     lora_a, lora_b, scaling = lora_stacks()
     indices = torch.tensor([1, NO_LORA, 0, 1, 2, NO_LORA, 2])
     x, base = batch(7, 32, 48)

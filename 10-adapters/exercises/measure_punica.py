@@ -3,27 +3,32 @@
     flock /tmp/cpu.lock .venv/bin/python 10-adapters/exercises/measure_punica.py
 
 On the embedded model (SmolLM2-135M-Instruct, float32), with the course's
-products (common/lora/punica.py), in about a minute on 2 cores once the
-machine is quiet (it waits up to 5 minutes for a 1-minute load average
-below 1.5 first: timings on 2 busy cores mean little):
+products (common/lora/punica.py and punica_wrapper.py), in about a minute
+on 2 cores once the machine is quiet (it waits up to 5 minutes for a
+1-minute load average below 1.5 first: timings on 2 busy cores mean little):
 
 1. the slots' bytes: one slot of every projection of the 30 layers (A,
    B and the scale), at ranks 8, 16 and 64, against the model's weights;
 2. the products' time, one projection (layer 0's gate_proj, 576 -> 1536,
-   rank 16, the default `--max-lora-rank`): the base product, the
-   gathered product (`add_lora_gathered`, the exercise's) and the grouped
-   one (`add_lora_grouped`, what the engine runs on the CPU), for 16 rows
-   (a decode step of 16 sequences) and 256 rows (a prefill), on 1 and on
-   4 adapters, median of 200 calls, the three in turn at every call; and
-   the bytes of A and B that the gathered form copies;
-3. the engine: 16 requests of 32 tokens (greedy, no EOS) with the base
-   model alone (no LoRA layers), with LoRA on but every request on the
-   base model, on 1 adapter, and over 4 adapters with the grouped product
-   and with the gathered one: output tokens per second from the second
-   step on (the first loads the adapters into their slots), and whether
-   the two products write the same tokens. The adapters are the two trained
-   ones of 10-adapters/adapters/ (rank 8), each also under a second id,
-   so that 4 slots hold them.
+   rank 16, the default `--max-lora-rank`, 4 slots, B in LoRASlots'
+   layout): the base product and the three forms of the products,
+   gathered (`add_lora_gathered`, the exercise's), grouped
+   (`add_lora_grouped`, a slot at a time; both in common/lora/punica.py)
+   and stacked (common/lora/punica_wrapper.py's `add_lora_stacked`, every
+   slot at once: what the engine runs on the CPU), for 16 rows (a
+   decode step of 16 sequences) and 256 rows (a prefill), on 1 and on 4
+   adapters, median of 200 calls, the four in turn at every call; and the
+   bytes of A and B that the gathered form copies;
+3. the engine, 4 slots: 16 requests of 32 tokens (greedy, no EOS) with
+   the base model alone (no LoRA layers), with LoRA on but every request
+   on the base model, on 1 adapter and over 4 adapters with the stacked
+   and the grouped products, and over 4 with the gathered one: output
+   tokens per second from the second step on (the first loads the
+   adapters into their slots), the kernel each engine ran (its model
+   runner's `adapters.punica.kernel`), and whether the three products
+   write the same tokens. The adapters are the two trained ones of
+   10-adapters/adapters/ (rank 8), each also under a second id, so that 4
+   slots hold them.
 
 Writes `results/measured-DATE-10a.json` beside this file, with the machine.
 """
@@ -51,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench.record import measurement_machine, wait_for_quiet_machine, write_measurement  # noqa: E402
 from common.lora.layers import LoRASlots  # noqa: E402
 from common.lora.punica import LoRAMapping, add_lora_gathered, add_lora_grouped  # noqa: E402
+from common.lora.punica_wrapper import LoRAKernel, add_lora_stacked, slot_onehot  # noqa: E402
 
 COMMAND = "python 10-adapters/exercises/measure_punica.py"
 MiB = 2**20
@@ -103,17 +109,19 @@ def product_timing(model, runs: int, rank: int = 16) -> dict:
     weight = projections(model)["gate_proj"].weight.data  # (1536, 576)
     d_out, d_in = weight.shape
     gen = torch.Generator().manual_seed(0)
-    lora_a = torch.randn(4, rank, d_in, generator=gen) / d_in ** 0.5
-    lora_b = torch.randn(4, d_out, rank, generator=gen) / rank ** 0.5
+    lora_a = torch.randn(4, rank, d_in, generator=gen) / d_in ** 0.5  # (slots, r, in)
+    # B as LoRASlots keeps it: (slots, r, out), read through its (slots, out, r) view
+    lora_b = (torch.randn(4, rank, d_out, generator=gen) / rank ** 0.5).transpose(1, 2)
     scaling = torch.full((4,), 2.0)
     record = {"layer": "model.layers.0.mlp.gate_proj", "shape": [d_out, d_in], "rank": rank,
-              "runs": runs, "cases": []}
+              "slots": lora_a.shape[0], "runs": runs, "cases": []}
     with torch.inference_mode():
         for rows in (16, 256):
             for adapters in (1, 4):
                 x = torch.randn(rows, d_in, generator=gen)
                 indices = torch.arange(rows) % adapters  # every row on an adapter
                 mapping = LoRAMapping.from_indices(indices)  # once a step, for every layer
+                onehot = slot_onehot(indices, lora_a.shape[0], x.dtype)  # the same
                 y = torch.empty(rows, d_out)
                 medians = median_us({
                     "base F.linear": lambda: F.linear(x, weight),
@@ -121,6 +129,8 @@ def product_timing(model, runs: int, rank: int = 16) -> dict:
                                                           indices),
                     "grouped": lambda: add_lora_grouped(y, x, lora_a, lora_b, scaling,
                                                         mapping),
+                    "stacked": lambda: add_lora_stacked(y, x, lora_a, lora_b, scaling,
+                                                        onehot),
                 }, runs)
                 record["cases"].append({
                     "rows": rows, "adapters": adapters, "median_us": medians,
@@ -143,21 +153,26 @@ def engine_runs(loaded, num_requests: int = 16, max_tokens: int = 32) -> dict:
                for i in range(num_requests)]
     four = [LoRARequest(f"{name}-{k}", 2 * k + j + 1, str(ADAPTERS / name))
             for k in range(2) for j, name in enumerate(("pirate", "shout"))]
-    runs = {"base model, no LoRA layers": (False, True, [None]),
-            "LoRA on, every request on the base model": (True, True, [None]),
-            "1 adapter (grouped)": (True, True, four[:1]),
-            "4 adapters, grouped": (True, True, four),
-            "4 adapters, gathered": (True, False, four)}
+    stacked, grouped, gathered = LoRAKernel.STACKED, LoRAKernel.GROUPED, LoRAKernel.GATHERED
+    runs = {"base model, no LoRA layers": (None, [None]),
+            "LoRA on, every request on the base model": (stacked, [None]),
+            "1 adapter, stacked": (stacked, four[:1]),
+            "1 adapter, grouped": (grouped, four[:1]),
+            "4 adapters, stacked": (stacked, four),
+            "4 adapters, grouped": (grouped, four),
+            "4 adapters, gathered": (gathered, four)}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out, tokens = {}, {}
-    for name, (lora, grouped, adapters) in runs.items():
-        config = EngineConfig(enable_lora=lora, max_loras=4, max_lora_rank=8,
+    for name, (kernel, adapters) in runs.items():
+        config = EngineConfig(enable_lora=kernel is not None, max_loras=4, max_lora_rank=8,
                               device_memory_gb=2.0)
         parts = EngineParts()
-        if lora:
+        if kernel is not None:  # chapter 10's parts, the products in `kernel`'s form
             parts = with_adapters(parts, config)
-            parts = replace(parts, adapters_cls=partial(parts.adapters_cls, grouped=grouped))
+            parts = replace(parts, adapters_cls=partial(parts.adapters_cls, kernel=kernel))
         engine = assemble_engine(config, parts, loaded=loaded)
+        punica = getattr(engine.model_runner.adapters, "punica", None)  # None: no LoRA layers
+        ran = punica.kernel.value if punica is not None else None
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{i}", ids, params, lora_request=adapters[i % len(adapters)])
         # the first step (most of the prefill, each adapter's first load) out of the timing
@@ -174,15 +189,16 @@ def engine_runs(loaded, num_requests: int = 16, max_tokens: int = 32) -> dict:
         tokens[name] = done
         del engine
         gc.collect()
-        out[name] = {"timed_steps": steps, "tokens_out": generated, "wall_s": round(wall, 2),
-                     "output_tokens_per_s": round(generated / wall, 1),
+        out[name] = {"kernel": ran, "timed_steps": steps, "tokens_out": generated,
+                     "wall_s": round(wall, 2), "output_tokens_per_s": round(generated / wall, 1),
                      "ms_per_step": round(1000 * wall / steps, 1)}
     base = out["base model, no LoRA layers"]["output_tokens_per_s"]
     for row in out.values():
         row["over_base_model"] = round(row["output_tokens_per_s"] / base, 2)
-    return {"requests": num_requests, "max_tokens": max_tokens, "runs": out,
-            "gathered_and_grouped_same_tokens":
-                tokens["4 adapters, grouped"] == tokens["4 adapters, gathered"]}
+    return {"requests": num_requests, "max_tokens": max_tokens, "max_loras": 4, "runs": out,
+            "same_tokens_as_stacked": {
+                form: tokens[f"4 adapters, {form}"] == tokens["4 adapters, stacked"]
+                for form in ("grouped", "gathered")}}
 
 
 def main(argv: list[str] | None = None) -> int:

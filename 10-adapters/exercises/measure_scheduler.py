@@ -21,8 +21,9 @@ EOS), at most 32 sequences and 512 tokens a step, blocks enough for all.
    waits before its first token, and the steps in all.
 
 Writes `results/measured-DATE-10b.json` beside this file. Left out: time
-(a step with more adapters costs more: exercise 10a's measure_punica.py
-times the products), preemption (the blocks never run out here).
+(more slots make every step dearer, and more adapters a step of the
+grouped form: exercise 10a's measure_punica.py times the products),
+preemption (the blocks never run out here).
 """
 from __future__ import annotations
 

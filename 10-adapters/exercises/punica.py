@@ -42,12 +42,14 @@ failing test names the hint to read first. Once every test passes,
 compare with common/lora/punica.py.
 
 Given: `NO_LORA`, the dataclass `LoRAMapping` (you write its
-`from_indices`). Left out on purpose, although the course has it: the
-grouped product `add_lora_grouped`, which the engine runs on the CPU
-(one slot at a time: two small products per adapter, no copy of the
-weights), and `PunicaWrapper`, which holds the step's mapping for every
-layer. Left out of both: vLLM's fused Triton and CUDA kernels, LoRA on
-the embedding and the LM head.
+`from_indices`). Left out on purpose, although the course has them: the
+grouped product `add_lora_grouped` (one slot at a time: two small
+products per adapter, no copy of the weights), and, in
+common/lora/punica_wrapper.py, the stacked form the engine runs on the
+CPU (`add_lora_stacked`: every slot at once, two products for the batch)
+and `PunicaWrapper`, which holds the step's mapping for every layer.
+Left out of both: vLLM's fused Triton and CUDA kernels, LoRA on the
+embedding and the LM head.
 """
 from __future__ import annotations
 

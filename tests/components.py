@@ -137,7 +137,7 @@ def int8_quant_ops(quantize_int8, int8_linear) -> SimpleNamespace:
 
 class GatheredPunicaWrapper(punica_wrapper.PunicaWrapper):
     """The engine's `PunicaWrapper` with exercise 10a's mapping and gathered
-    product in place of the course's grouped one: what every LoRA layer of
+    product in place of the course's stacked one: what every LoRA layer of
     the model calls (common/lora/layers.py)."""
 
     def __init__(self, mapping_cls: type, add_lora_gathered):

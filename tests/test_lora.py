@@ -14,7 +14,7 @@ from common.layers.attention import AttentionMetadata
 from common.lora.lora_model import LoRALoadError, LoRAModel
 from common.lora.model_manager import LoRAModelManager
 from common.lora.punica import NO_LORA, LoRAMapping, add_lora_gathered, add_lora_grouped
-from common.lora.punica_wrapper import add_lora_stacked, slot_onehot
+from common.lora.punica_wrapper import LoRAKernel, PunicaWrapper, add_lora_stacked, slot_onehot
 from common.memory import Card
 from common.models import build_forward
 from common.worker.kv_cache import KVCache
@@ -53,6 +53,23 @@ def test_the_three_forms_of_the_products_give_each_row_its_adapter(indices):
     add_lora_stacked(stacked_view, x, lora_a, b_view, scaling, onehot)
     for got in (gathered, grouped, stacked, stacked_view):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("indices", [[0, 0, NO_LORA], [2, NO_LORA, 2], [1, 0, 2, 1]])
+def test_each_wrapper_kernel_gives_the_gathered_reference(indices):
+    """The wrapper the LoRA layers call, in each form; the stacked one reads
+    only the slots up to the last one the step uses."""
+    lora_a, lora_b, scaling = random_stacks()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(len(indices), 16, generator=gen)
+    expected = torch.zeros(len(indices), 24)
+    add_lora_gathered(expected, x, lora_a, lora_b, scaling, torch.tensor(indices))
+    for kernel in LoRAKernel:
+        wrapper, y = PunicaWrapper(kernel), torch.zeros(len(indices), 24)
+        wrapper.update_metadata(torch.tensor(indices))
+        wrapper.add_lora_linear(y, x, lora_a, lora_b, scaling)
+        torch.testing.assert_close(y, expected, msg=str(kernel))
+    assert wrapper.num_slots == max(indices) + 1
 
 
 def flat_batch(sequences: list[list[int]], block_size: int = 16):

@@ -13,8 +13,10 @@ or the stacked one written here, the engine's on the CPU:
   (the others multiplied by 0), then against all the B as one
   (slots * r, out) matrix: two products for the batch whatever the
   adapters, where the grouped form runs five small operations per slot.
-  It does `slots` times the shrink's arithmetic (at rank 8, a thin
-  product still) and reads every slot's weights, used or not.
+  It does `slots` times the arithmetic of one adapter's products (at rank
+  8, thin products still) and reads every slot's weights up to the last
+  slot the step uses (slots are filled from the first: a step of one
+  adapter usually reads one).
 
 On CUDA the model manager takes the Triton kernels' wrapper instead
 (common/lora/triton_ops.py), with the same two methods.
@@ -65,10 +67,13 @@ class PunicaWrapper:
         self.kernel = kernel
         self.mapping = LoRAMapping(torch.empty(0, dtype=torch.long))
         self.onehot: torch.Tensor | None = None  # the stacked form's, made at its first use
+        self.num_slots = 0  # the stacked form's: slots 0 .. the last one the step uses
 
     def update_metadata(self, token_lora_indices: torch.Tensor) -> None:
         self.mapping = LoRAMapping.from_indices(token_lora_indices)
         self.onehot = None
+        # the stacked form reads slots 0 .. the last one in use (a view, no copy)
+        self.num_slots = 1 + max((slot for slot, _ in self.mapping.groups), default=-1)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                         lora_b: torch.Tensor, scaling: torch.Tensor) -> None:
@@ -77,9 +82,10 @@ class PunicaWrapper:
             return
         indices = self.mapping.token_lora_indices
         if self.kernel is LoRAKernel.STACKED:
+            used = self.num_slots
             if self.onehot is None:  # once a step, for every layer
-                self.onehot = slot_onehot(indices, lora_a.shape[0], x.dtype)
-            add_lora_stacked(y, x, lora_a, lora_b, scaling, self.onehot)
+                self.onehot = slot_onehot(indices, used, x.dtype)
+            add_lora_stacked(y, x, lora_a[:used], lora_b[:used], scaling[:used], self.onehot)
         elif self.kernel is LoRAKernel.GROUPED:
             add_lora_grouped(y, x, lora_a, lora_b, scaling, self.mapping)
         else:

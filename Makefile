@@ -270,8 +270,8 @@ watch-vllm: $(STAMP) $(VLLM_VENV)/.installed ## PORT=8000: the real vLLM with --
 bench-vs-vllm: $(STAMP) $(VLLM_VENV)/.installed ## LOADS="chat-32 long" DTYPES=float32 ALTERNATIONS=3 DURATION=60: chapter 06 against the real vLLM, both up, runs alternated, 5 seeded loads, float32 and bfloat16 (~60 min)
 	$(PY) -m bench.vs_vllm $(VS_VLLM_ARGS)
 
-vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire)
-	$(PY) -m pytest -m vllm
+vllm-check: $(STAMP) $(VLLM_VENV)/.installed ## differential tests: chapter 08's server vs the real vLLM vs HF (tokens, the wire), and chapter 10's adapters (LORA_VS_VLLM=1)
+	LORA_VS_VLLM=1 $(PY) -m pytest -m vllm
 
 vllm-steps: $(STAMP) $(VLLM_VENV)/.installed ## the source article's steps run for real on vLLM: bench/results/*-vllm-steps.md
 	$(PY) -m bench.peers.vllm_checks steps

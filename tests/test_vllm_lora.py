@@ -16,11 +16,16 @@ test_vllm.py's rule): the servers add each token's low-rank product to the
 base product, peft's merged model adds B @ A into W once, and the sums
 round differently.
 
-They skip with the reason when vLLM is not installed (`make vllm`).
+They skip with the reason when vLLM is not installed (`make vllm`), and
+outside `make vllm-check` (which sets LORA_VS_VLLM=1): a second vLLM
+server and a second chapter 10 server cost `make test` minutes it does
+not have (CI runs it in under 30 minutes on 2 cores); tests/test_ch10_server.py
+checks our server against HF on peft's merged models there.
 """
 from __future__ import annotations
 
 import copy
+import os
 import re
 
 import pytest
@@ -34,7 +39,10 @@ from tests.conftest import PROMPTS, ROOT, hf_greedy
 
 NOT_INSTALLED = vllm_peer.missing()
 pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(NOT_INSTALLED is not None, reason=str(NOT_INSTALLED))]
+              pytest.mark.skipif(NOT_INSTALLED is not None, reason=str(NOT_INSTALLED)),
+              pytest.mark.skipif(os.environ.get("LORA_VS_VLLM") != "1",
+                                 reason="runs in make vllm-check (LORA_VS_VLLM=1), not in "
+                                        "make test: two more servers")]
 
 SHIPPED = ROOT / "10-adapters" / "adapters"
 ADAPTERS = ("pirate", "shout", "random")

@@ -1014,10 +1014,15 @@ def raw_connection(server, data: bytes = b"") -> socket.socket:
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
+    """Everything the server sends until it closes the connection. A server
+    that closes with bytes of ours still unread (a byte sent while it hung
+    up) resets the connection after its answer: the answer is kept."""
     received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
     sock.close()
     return received
 

@@ -66,13 +66,11 @@ class LoRAModelManager:
         self.slots: dict[tuple[int, str], LoRASlots] = {}  # (layer, projection) -> stacks
         self.card = card
         self.wrap(forward)
+        # the slots' memory on the card, filled or not: fixed once wrapped
+        # (every step's snapshot reports it)
+        self.slot_bytes = sum(stacks.nbytes for stacks in self.slots.values())
         log.info("LoRA slots: %s (%d adapters of rank up to %d, every projection)",
                  format_bytes(self.slot_bytes), max_loras, max_lora_rank)
-
-    @property
-    def slot_bytes(self) -> int:
-        """The slots' memory on the card, whether adapters fill them or not."""
-        return sum(stacks.nbytes for stacks in self.slots.values())
 
     # --------------------------------------------------------- the model
     def wrap(self, forward) -> None:

@@ -103,12 +103,14 @@ def reference_in_float32(fn, *tensors_and_args):
 
 
 def check_decode(context_lens: list[int], block_size: int, num_kv_heads: int,
-                 num_heads: int, head_dim: int, dtype: torch.dtype, tol: float) -> None:
+                 num_heads: int, head_dim: int, dtype: torch.dtype, tol: float,
+                 **split_k) -> None:
     k_cache, v_cache, block_tables, lens = make_paged_cache(
         context_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
     query = strided_query(len(context_lens), num_heads, head_dim, dtype, DEVICE)
     scale = head_dim ** -0.5
-    out = triton_kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, lens, scale)
+    out = triton_kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, lens,
+                                                scale, **split_k)
     expected = reference_in_float32(reference.paged_decode_attention, query, k_cache, v_cache,
                                     block_tables, lens, scale)
     assert out.shape == query.shape and out.dtype == dtype
@@ -136,8 +138,9 @@ def check_prefill(seqs: list[tuple[int, int]], block_size: int, num_kv_heads: in
 
 def prefill_cases(block_size: int) -> list[tuple[int, int]]:
     """(context_len, query_len): whole prompts, then prompts with a cached
-    prefix; two of them need two tiles of queries (PREFILL_BLOCK_M each)."""
-    m = triton_kernels.PREFILL_BLOCK_M
+    prefix; two of them need two tiles of queries (a tile has at most
+    PREFILL_ROWS tokens)."""
+    m = triton_kernels.PREFILL_ROWS
     whole = [(n, n) for n in context_lengths(block_size)] + [(m + 6, m + 6)]
     with_prefix = [(block_size, 3), (block_size + 1, 1), (5 * block_size + 3, block_size + 2),
                    (m + 6 + block_size, m + 6)]
@@ -183,6 +186,55 @@ def test_decode_matches_reference(block_size, num_kv_heads, num_heads):
 def test_prefill_matches_reference(block_size, num_kv_heads, num_heads):
     check_prefill(prefill_cases(block_size), block_size, num_kv_heads, num_heads,
                   HEAD_DIM, torch.float32, tol=1e-5)
+
+
+# Grouped-query shapes at their real head sizes: (H_kv, H, head_dim). Each
+# decode program holds a KV head's whole group of query heads (1, 3, 4, 8).
+MODEL_SHAPES = [pytest.param(3, 9, 64, id="SmolLM2-135M-9/3"),
+                pytest.param(8, 32, 128, id="Llama-3-8B-32/8"),
+                pytest.param(2, 2, 32, id="mha-1-per-kv"),
+                pytest.param(2, 8, 32, id="gqa-4-per-kv"),
+                pytest.param(1, 8, 32, id="mqa-8-per-kv")]
+MIXED_CONTEXTS = [37, 1, 16, 130, 17]  # 1 to 9 blocks of 16, the longest first
+
+
+@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim", MODEL_SHAPES)
+def test_grouped_decode_at_model_shapes(num_kv_heads, num_heads, head_dim):
+    check_decode(MIXED_CONTEXTS, 16, num_kv_heads, num_heads, head_dim, torch.float32,
+                 tol=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim", MODEL_SHAPES)
+def test_split_k_decode_at_model_shapes(num_kv_heads, num_heads, head_dim):
+    """Partitions of 32 positions: 130 tokens make 5, of which the last holds
+    2; the 1-token context leaves 4 partitions empty (weight 0 in the merge)."""
+    check_decode(MIXED_CONTEXTS, 16, num_kv_heads, num_heads, head_dim, torch.float32,
+                 tol=1e-5, num_splits=5, partition_size=32)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_split_k_default_partition_on_a_long_context(block_size):
+    """The real partition (512 positions): 1100 tokens make three, beside
+    short contexts whose later partitions are empty."""
+    num_splits = cdiv(1100, triton_kernels.PARTITION_SIZE)
+    check_decode([3, 1100, 513], block_size, 1, 4, HEAD_DIM, torch.float32, tol=1e-5,
+                 num_splits=num_splits)
+
+
+def test_decode_num_splits_keeps_every_multiprocessor_busy():
+    choose = triton_kernels.decode_num_splits
+    assert choose(num_seqs=64, num_kv_heads=8, max_context=8192, multiprocessors=132) == 1
+    assert choose(num_seqs=4, num_kv_heads=8, max_context=8192, multiprocessors=132) == 16
+    assert choose(num_seqs=4, num_kv_heads=8, max_context=512, multiprocessors=132) == 1
+    assert choose(num_seqs=1, num_kv_heads=3, max_context=1000, multiprocessors=132) == 2
+
+
+@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim", MODEL_SHAPES)
+def test_grouped_prefill_at_model_shapes(num_kv_heads, num_heads, head_dim):
+    """Rows of (token, head) pairs: a group of 8 takes 8 tokens a tile, so
+    the 40-token query spans five tiles; prefixes cached or not."""
+    check_prefill([(40, 40), (16, 1), (50, 13), (7, 7), (130, 20)], 16, num_kv_heads,
+                  num_heads, head_dim, torch.float32, tol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 12])
@@ -236,6 +288,8 @@ def test_on_cuda_bfloat16(head_dim, block_size, num_kv_heads, num_heads):
     tol = 2e-2
     check_decode(context_lengths(block_size) + [700], block_size, num_kv_heads, num_heads,
                  head_dim, torch.bfloat16, tol)
+    check_decode(context_lengths(block_size) + [700], block_size, num_kv_heads, num_heads,
+                 head_dim, torch.bfloat16, tol, num_splits=3, partition_size=256)
     check_prefill(prefill_cases(block_size) + [(700, 300)], block_size, num_kv_heads,
                   num_heads, head_dim, torch.bfloat16, tol)
     check_store(300, block_size, num_kv_heads, head_dim, torch.bfloat16)

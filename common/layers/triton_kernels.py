@@ -2,18 +2,24 @@
 
 The same three operations as the PyTorch reference in common/layers/attention.py,
 with the same names, arguments and results; attention.py calls these on
-CUDA (`attention_ops_for`). Each is one `@triton.jit` kernel plus a thin Python
+CUDA (`attention_ops_for`). Each is a `@triton.jit` kernel plus a thin Python
 wrapper that checks the inputs, picks the grid and launches it:
 
 1. `store_kvcache`: one program per new token copies its K and V rows
    into the cache at `slot_mapping[token]`.
-2. `paged_decode_attention`: one program per (sequence, query head) walks
-   the sequence's blocks through `block_tables` and keeps an *online
-   softmax* (running max, running sum, running weighted sum of V), so the
-   whole context never has to sit in memory at once.
-3. `paged_prefill_attention`: one program per (sequence, query head, tile
-   of the sequence's new tokens): the same walk, causal, with matrix
-   products (`tl.dot`) for a whole tile of queries at a time.
+2. `paged_decode_attention`: one program per (sequence, KV head) walks
+   the sequence's blocks through `block_tables` with the query heads that
+   share that KV head (grouped-query attention: Llama-3-8B's 32 query heads
+   share 8 KV heads, four each), and keeps an *online softmax* (running
+   max, running sum, running weighted sum of V) for each of them, so the
+   whole context never has to sit in memory at once and each block of K/V
+   is read once, not once per query head. For long contexts and few
+   sequences, *split-K* (flash-decoding) cuts each context into partitions
+   of PARTITION_SIZE tokens, one program each, and a second kernel merges
+   their partial softmaxes.
+3. `paged_prefill_attention`: one program per (sequence, KV head, tile of
+   the sequence's new tokens): the same walk, causal, with matrix products
+   (`tl.dot`) for the tile's tokens times the group's query heads at once.
 
 Where a token lives: the cache of one layer is `(num_blocks, block_size,
 num_kv_heads, head_dim)`; token `i` of sequence `s` sits in physical block
@@ -42,12 +48,10 @@ pass CPU tensors; tests/test_triton_kernels.py does that. The interpreter
 cannot multiply bfloat16 matrices (it multiplies their bit patterns), so
 on the CPU only float32 (and float16) can be checked; bfloat16 on a GPU.
 
-Left out, on purpose: split-K / flash-decoding (cutting one long context
-across several programs and merging their partial softmaxes), grouping the
-query heads that share a KV head into one program (GQA: each K/V tile is
-read once per query head, mostly from L2), FP8 or quantized caches, sliding
-windows, ALiBi, soft-capping, CUDA graphs, autotuning of tile sizes, and
-negative "padding" slots in `slot_mapping` (the reference has none either).
+Left out, on purpose: FP8 or quantized caches, sliding windows, ALiBi,
+soft-capping, autotuning of tile sizes, a persistent kernel that balances
+uneven contexts across programs, and negative "padding" slots in
+`slot_mapping` (the reference has none either).
 """
 from __future__ import annotations
 
@@ -57,13 +61,16 @@ import triton.language as tl
 
 # Tile sizes, in tokens. Both attention kernels read the context TILE_N
 # positions at a time (16: one block of the course's block size, and tl.dot's
-# smallest operand); a prefill program handles PREFILL_BLOCK_M new tokens of
-# one sequence with PREFILL_NUM_WARPS warps (8 * 32 threads: with 4 warps,
-# float32 at head_dim 128 ran out of registers, as Triton's compiler for
-# H100/H200 reported).
+# smallest operand). A prefill program has PREFILL_ROWS rows of queries (its
+# new tokens times the query heads of one KV head: 64 tokens of one head, or
+# 16 tokens of a group of four) and PREFILL_NUM_WARPS warps (8 * 32 threads:
+# with 4 warps, float32 at head_dim 128 ran out of registers, as Triton's
+# compiler for H100/H200 reported). A split-K decode program reads
+# PARTITION_SIZE positions of one context (vLLM's paged_attention_v2 uses 512).
 TILE_N = 16
-PREFILL_BLOCK_M = 64
+PREFILL_ROWS = 64
 PREFILL_NUM_WARPS = 8
+PARTITION_SIZE = 512
 
 
 # --------------------------------------------------------------------------
@@ -163,99 +170,206 @@ def _kv_tile_offsets(
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr,  # (num_seqs, num_heads, head_dim)
+    out_ptr,  # (num_seqs, num_heads, head_dim); split-K: (num_seqs, num_heads, splits, head_dim)
+    lse_ptr,  # split-K only: (num_seqs, num_heads, splits), each split's log-sum-exp
     query_ptr,  # (num_seqs, num_heads, head_dim)
     k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
     block_tables_ptr,  # (num_seqs, max_blocks)
     context_lens_ptr,  # (num_seqs,)
     scale,
     query_stride_seq, query_stride_head, query_stride_dim,
-    out_stride_seq, out_stride_head, out_stride_dim,
+    out_stride_seq, out_stride_head, out_stride_split, out_stride_dim,
+    lse_stride_seq, lse_stride_head, lse_stride_split,
     cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
     block_tables_stride_seq,
     QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads (GQA group size)
+    GROUP_ROWS: tl.constexpr,  # QUERIES_PER_KV padded to a power of two >= 16 (tl.dot)
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,  # context positions per program (split-K), a multiple of TILE_N
+    SPLIT_K: tl.constexpr,  # False: one partition covers the context, write the output
+    DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (sequence, query head). Simple to read: the query is
-    # one vector, the scores of a tile one vector. The price is that the
-    # QUERIES_PER_KV heads sharing a KV head each read its K/V (mostly from
-    # L2 cache); vLLM groups them into one program.
+    # One program per (sequence, KV head, partition of the context). The
+    # query heads that share the KV head are the rows of one (GROUP_ROWS,
+    # HEAD_DIM) query tile, so each K/V tile is loaded once for all of them.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // QUERIES_PER_KV
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)  # cached tokens, own one included
     block_table_ptr = block_tables_ptr + seq * block_tables_stride_seq
+    if SPLIT_K:  # this program's partition of the context
+        split_start = split * PARTITION_SIZE
+        split_end = tl.minimum(split_start + PARTITION_SIZE, context_len)
+    else:  # the whole context
+        split_start = 0
+        split_end = context_len
 
+    rows = tl.arange(0, GROUP_ROWS)  # (GROUP_ROWS,) the group's query heads, padded
+    heads = kv_head * QUERIES_PER_KV + rows
+    row_valid = rows < QUERIES_PER_KV
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(query_ptr + seq * query_stride_seq + head * query_stride_head
-                + dims * query_stride_dim).to(tl.float32)  # (HEAD_DIM,)
+    q = tl.load(query_ptr + seq * query_stride_seq + heads[:, None] * query_stride_head
+                + dims[None, :] * query_stride_dim,
+                mask=row_valid[:, None], other=0.0)  # (GROUP_ROWS, HEAD_DIM)
 
-    # Online softmax state (float32): the largest score seen so far, the sum
-    # of exp(score - running_max), and the sum of exp(score - running_max) * V.
-    running_max = -float("inf")
-    running_sum = 0.0
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)  # (HEAD_DIM,)
+    # Online softmax state (float32), one row per query head: the largest
+    # score seen so far, the sum of exp(score - running_max), and the sum of
+    # exp(score - running_max) * V.
+    running_max = tl.full([GROUP_ROWS], -float("inf"), dtype=tl.float32)
+    running_sum = tl.zeros([GROUP_ROWS], dtype=tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], dtype=tl.float32)  # (GROUP_ROWS, HEAD_DIM)
 
-    # The loop over the context, one tile (= one block at block_size 16) per step.
-    for tile_start in range(0, context_len, TILE_N):
+    # The loop over this partition of the context, one tile (= one block at
+    # block_size 16) per step.
+    for tile_start in range(split_start, split_end, TILE_N):
         # a) positions of this tile, and the physical block of each
         #    (loaded from block_tables inside _kv_tile_offsets).
         positions = tile_start + tl.arange(0, TILE_N)  # (TILE_N,)
-        in_context = positions < context_len  # the last tile may be partial
+        in_context = positions < split_end  # the last tile may be partial
         kv_offsets = _kv_tile_offsets(
             block_table_ptr, positions, in_context, kv_head,
             cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
             BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
 
-        # b) load the tile's keys and score them: q . k for every position.
+        # b) load the tile's keys once; score them for every head of the group.
         k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # (TILE_N,)
-        scores = tl.where(in_context, scores, -float("inf"))
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (GROUP_ROWS, TILE_N)
+        scores = tl.where(in_context[None, :], scores, -float("inf"))
 
         # c) online softmax: if this tile holds a larger score, everything
         #    summed so far was scaled by exp(-old_max) and must now be scaled
         #    by exp(-new_max): multiply it by alpha = exp(old_max - new_max).
-        #    Tile 0 always holds position 0, so new_max is finite from then on.
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+        #    A partition's first tile holds its first position, so new_max
+        #    is finite from then on.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (GROUP_ROWS,)
         alpha = tl.exp(running_max - new_max)  # 0 on the first tile
-        p = tl.exp(scores - new_max)  # (TILE_N,) unnormalised probabilities
-        running_sum = running_sum * alpha + tl.sum(p, axis=0)
+        p = tl.exp(scores - new_max[:, None])  # (GROUP_ROWS, TILE_N) unnormalised
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
 
-        # d) load the tile's values and add their p-weighted sum.
+        # d) load the tile's values once; acc += p @ V for every head.
         v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)  # (HEAD_DIM,)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         running_max = new_max
 
-    out = acc / running_sum  # softmax(scores) @ V
+    out_offsets = (seq * out_stride_seq + heads[:, None] * out_stride_head
+                   + split * out_stride_split + dims[None, :] * out_stride_dim)
+    if SPLIT_K:
+        # This partition's softmax over its own positions, and its
+        # log-sum-exp, for _merge_splits_kernel. A partition past the end of
+        # a short context saw nothing: weight exp(-inf) = 0 in the merge.
+        saw_tokens = running_sum > 0
+        safe_sum = tl.where(saw_tokens, running_sum, 1.0)
+        lse = tl.where(saw_tokens, running_max + tl.log(safe_sum), -float("inf"))
+        out = acc / safe_sum[:, None]
+        tl.store(lse_ptr + seq * lse_stride_seq + heads * lse_stride_head
+                 + split * lse_stride_split, lse, mask=row_valid)
+    else:
+        out = acc / running_sum[:, None]  # softmax(scores) @ V
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # (num_seqs, num_heads, head_dim)
+    partial_out_ptr,  # (num_seqs, num_heads, splits, head_dim) float32
+    lse_ptr,  # (num_seqs, num_heads, splits) float32
+    num_splits,
+    out_stride_seq, out_stride_head, out_stride_dim,
+    partial_stride_seq, partial_stride_head, partial_stride_split, partial_stride_dim,
+    lse_stride_seq, lse_stride_head, lse_stride_split,
+    SPLITS_PADDED: tl.constexpr,  # num_splits rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+):
+    # One program per (sequence, query head). The partition with the largest
+    # log-sum-exp gets weight 1, the others exp(their lse - that one's), so
+    # the weighted sum of the partial outputs is the softmax over the whole
+    # context (merge_attn_states in attention.py does the same for two parts).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PADDED)  # (SPLITS_PADDED,)
+    valid = splits < num_splits
+    lse = tl.load(lse_ptr + seq * lse_stride_seq + head * lse_stride_head
+                  + splits * lse_stride_split, mask=valid, other=-float("inf"))
+    weights = tl.exp(lse - tl.max(lse, axis=0))  # (SPLITS_PADDED,) 0 where a split saw nothing
+    dims = tl.arange(0, HEAD_DIM)
+    partial = tl.load(partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
+                      + splits[:, None] * partial_stride_split + dims[None, :] * partial_stride_dim,
+                      mask=valid[:, None], other=0.0)  # (SPLITS_PADDED, HEAD_DIM)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)  # (HEAD_DIM,)
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims * out_stride_dim,
              out.to(out_ptr.dtype.element_ty))
 
 
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
+                      multiprocessors: int, partition_size: int = PARTITION_SIZE) -> int:
+    """How many partitions split-K cuts each context into: 1 (no split-K)
+    while the (sequence, KV head) programs are enough to give every
+    multiprocessor of the GPU one; else one per PARTITION_SIZE tokens of the
+    longest possible context, so that a few long sequences still keep the
+    whole GPU busy. (vLLM's paged_attention_v1/v2 choice is of this kind.)"""
+    if num_seqs * num_kv_heads >= multiprocessors:
+        return 1
+    return max(1, triton.cdiv(max_context, partition_size))
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None,
+                           partition_size: int = PARTITION_SIZE) -> torch.Tensor:
     """query: (num_seqs, num_heads, head_dim), one token per sequence, whose
-    own K/V are already stored. Returns (num_seqs, num_heads, head_dim)."""
+    own K/V are already stored. Returns (num_seqs, num_heads, head_dim).
+
+    `num_splits`: partitions per context (split-K); None picks it with
+    `decode_num_splits` from the shapes alone (no host sync, so a CUDA graph
+    can capture it: the block table's width bounds every context). A
+    partition that starts past a sequence's context returns at once."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     _check_attention_inputs(query, k_cache, v_cache, block_tables)
+    assert partition_size % TILE_N == 0, f"partition_size must be a multiple of {TILE_N}"
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    max_context = block_tables.shape[1] * block_size  # no sequence is longer
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context,
+                                       _multiprocessors(query.device), partition_size)
+    split_k = num_splits > 1
     # The kernel indexes these with stride 1 along their last dimension.
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
-    grid = (num_seqs, num_heads)  # one program per (sequence, query head)
+    queries_per_kv = num_heads // num_kv_heads
+    if split_k:  # each partition's output and log-sum-exp, in float32, then merged
+        partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                                  dtype=torch.float32, device=query.device)
+        lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                          device=query.device)
+        out_strides, lse_strides = partial_out.stride(), lse.stride()
+    else:  # the output itself, with a split stride of 0
+        partial_out, lse = out, out
+        out_strides, lse_strides = (*out.stride()[:2], 0, out.stride(2)), (0, 0, 0)
+    grid = (num_seqs, num_kv_heads, num_splits)  # one program per (sequence, KV head, partition)
     _paged_decode_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
-        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        QUERIES_PER_KV=num_heads // num_kv_heads,
+        partial_out, lse, query, k_cache, v_cache, block_tables, context_lens, float(scale),
+        *query.stride(), *out_strides, *lse_strides, *k_cache.stride(), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_ROWS=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
         HEAD_DIM=head_dim,
+        PARTITION_SIZE=partition_size,
+        SPLIT_K=split_k,
+        DOT_PRECISION=_dot_precision(query.dtype),
     )
+    if split_k:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, partial_out, lse, num_splits,
+            *out.stride(), *partial_out.stride(), *lse.stride(),
+            SPLITS_PADDED=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+        )
     return out
 
 
@@ -277,43 +391,49 @@ def _paged_prefill_kernel(
     cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
     block_tables_stride_seq,
     QUERIES_PER_KV: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,  # QUERIES_PER_KV rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # new tokens per program
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # new tokens per program
     TILE_N: tl.constexpr,  # context positions per loop step
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (exact), else default
 ):
-    # One program per (sequence, query head, tile of BLOCK_M new tokens).
+    # One program per (sequence, KV head, tile of BLOCK_Q new tokens). Its
+    # BLOCK_Q * GROUP_ROWS rows are every (token, query head of the group)
+    # pair, token-major: row r is token r // GROUP_ROWS, head r % GROUP_ROWS
+    # of the group. Each K/V tile is loaded once for all of them.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     q_tile = tl.program_id(2)
-    kv_head = head // QUERIES_PER_KV
 
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if q_tile * BLOCK_M >= query_len:
+    if q_tile * BLOCK_Q >= query_len:
         return  # the grid is sized for the longest query; this one is shorter
     context_len = tl.load(context_lens_ptr + seq)  # cached + new tokens
     block_table_ptr = block_tables_ptr + seq * block_tables_stride_seq
 
     # The new tokens are the *last* query_len of the context: new token j
     # sits at position context_len - query_len + j.
-    q_index = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) j within the sequence
-    q_valid = q_index < query_len  # the last tile may be partial
-    q_positions = context_len - query_len + q_index  # (BLOCK_M,)
+    rows = tl.arange(0, BLOCK_Q * GROUP_ROWS)  # (M,) M = BLOCK_Q * GROUP_ROWS
+    q_index = q_tile * BLOCK_Q + rows // GROUP_ROWS  # (M,) j within the sequence
+    head_in_group = rows % GROUP_ROWS
+    heads = kv_head * QUERIES_PER_KV + head_in_group  # (M,)
+    row_valid = (q_index < query_len) & (head_in_group < QUERIES_PER_KV)
+    q_positions = context_len - query_len + q_index  # (M,)
     dims = tl.arange(0, HEAD_DIM)
     q_offsets = ((query_start + q_index)[:, None] * query_stride_token
-                 + head * query_stride_head + dims[None, :] * query_stride_dim)
-    q = tl.load(query_ptr + q_offsets, mask=q_valid[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
+                 + heads[:, None] * query_stride_head + dims[None, :] * query_stride_dim)
+    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None], other=0.0)  # (M, HEAD_DIM)
 
-    # Online softmax state, one row per query token.
-    running_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # (BLOCK_M,)
-    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # (BLOCK_M, HEAD_DIM)
+    # Online softmax state, one row per (token, head).
+    running_max = tl.full([BLOCK_Q * GROUP_ROWS], -float("inf"), dtype=tl.float32)  # (M,)
+    running_sum = tl.zeros([BLOCK_Q * GROUP_ROWS], dtype=tl.float32)  # (M,)
+    acc = tl.zeros([BLOCK_Q * GROUP_ROWS, HEAD_DIM], dtype=tl.float32)  # (M, HEAD_DIM)
 
-    # Causal: the last query of this tile sees positions 0..its own, so the
+    # Causal: the last token of this tile sees positions 0..its own, so the
     # loop stops there: positions after it are masked for every row anyway.
-    last_q_index = tl.minimum((q_tile + 1) * BLOCK_M, query_len) - 1
+    last_q_index = tl.minimum((q_tile + 1) * BLOCK_Q, query_len) - 1
     context_end = context_len - query_len + last_q_index + 1
 
     for tile_start in range(0, context_end, TILE_N):
@@ -325,17 +445,17 @@ def _paged_prefill_kernel(
             cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
             BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
 
-        # b) load the keys; scores of every (query, position) pair, causal.
+        # b) load the keys; scores of every (row, position) pair, causal.
         k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (M, TILE_N)
         visible = in_context[None, :] & (positions[None, :] <= q_positions[:, None])
         scores = tl.where(visible, scores, -float("inf"))
 
         # c) online softmax, row by row (see the decode kernel). Every row
         #    sees position 0 in the first tile, so new_max is always finite.
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (BLOCK_M,)
-        alpha = tl.exp(running_max - new_max)  # (BLOCK_M,)
-        p = tl.exp(scores - new_max[:, None])  # (BLOCK_M, TILE_N)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (M,)
+        alpha = tl.exp(running_max - new_max)  # (M,)
+        p = tl.exp(scores - new_max[:, None])  # (M, TILE_N)
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
 
         # d) load the values; acc += p @ V. p is cast to the cache dtype for
@@ -344,10 +464,10 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         running_max = new_max
 
-    out = acc / running_sum[:, None]  # (BLOCK_M, HEAD_DIM)
+    out = acc / running_sum[:, None]  # (M, HEAD_DIM)
     out_offsets = ((query_start + q_index)[:, None] * out_stride_token
-                   + head * out_stride_head + dims[None, :] * out_stride_dim)
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+                   + heads[:, None] * out_stride_head + dims[None, :] * out_stride_dim)
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -365,16 +485,21 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     query_start_loc = query_start_loc.contiguous()
+    queries_per_kv = num_heads // num_kv_heads
+    group_rows = triton.next_power_of_2(queries_per_kv)
+    assert group_rows <= PREFILL_ROWS, f"more than {PREFILL_ROWS} query heads per KV head"
+    block_q = PREFILL_ROWS // group_rows  # 64 tokens with one head a group, 16 with four
     # The grid must cover the longest query (one host sync, as in the reference).
     max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_prefill_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         float(scale),
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        QUERIES_PER_KV=num_heads // num_kv_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_ROWS=group_rows,
+        BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M,
         TILE_N=TILE_N,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
@@ -386,6 +511,14 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # --------------------------------------------------------------------------
 # Helpers of the wrappers
 # --------------------------------------------------------------------------
+
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (132 on an H100); 1 elsewhere (the
+    interpreter), where split-K runs only when asked for."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32: exact products, not TF32 (so float32 runs match the reference).

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The one-shot GPU check (bench/gpu/gpu_check.py), for a GPU machine that has
-# torch, triton and transformers but not the web stack: install the wheels
-# of .whl/ (made here by `make gpu-wheels`) into /tmp/site, then run it.
+# The GPU check (bench/gpu/gpu_check.py), for a GPU machine that has torch,
+# triton and transformers but not the web stack: install the wheels of .whl/
+# (made here by `make gpu-wheels`) into /tmp/site, then run its five steps,
+# each under 3 minutes and each writing its own file as it finishes.
 #
-#   bash bench/gpu_check.sh            # results in $OUT, or bench/results/gpu-check/
+#   bash bench/gpu_check.sh                        # files in $OUT, or bench/results/
+#   bash bench/gpu_check.sh --steps graphs decode-kernel   # rerun some steps
+#   bash bench/gpu_check.sh --rehearse             # without CUDA: what the CPU can run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -16,4 +19,4 @@ fi
 # the embedded model's config and tokenizer (make gpu-wheels copies them; no weights)
 [ -d .whl/llm-course-cache ] && export LLM_COURSE_CACHE="$PWD/.whl/llm-course-cache"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -m bench.gpu.gpu_check --out "${OUT:-bench/results/gpu-check}" "$@"
+python3 -m bench.gpu.gpu_check --out "${OUT:-bench/results}" "$@"

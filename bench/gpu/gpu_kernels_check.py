@@ -1,6 +1,7 @@
 """Check and time the Triton kernels against the PyTorch reference on a GPU (ch04).
 
     python bench/gpu/gpu_kernels_check.py [--seqs 64] [--max-context 2048]
+    python bench/gpu/gpu_kernels_check.py --decode-only   # the decode kernel, timed
 
 For two attention shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64; Llama-3-8B: 32/8, head_dim 128) in bfloat16 with block size 16,
@@ -14,6 +15,11 @@ A short float32 pass checks the exact (non-TF32) path too. Then the same
 for the quantized matmuls of chapter 08 (`--quantization int8 | int4`,
 common/layers/quant_kernels.py against the dequantize-then-matmul reference),
 at one row (a decode step) and 64 rows, errors relative to the largest output.
+
+`--decode-only` times the decode kernel alone (`time_decode`): at both
+shapes, 64 sequences with contexts up to 2048 and 4 sequences of 8192
+tokens, with split-K as `decode_num_splits` picks it and without
+(`num_splits=1`), against the reference.
 
 Exits 1 if any comparison fails or raises, 0 otherwise. On a machine without
 CUDA it prints "no CUDA device, nothing to check" and exits 0.
@@ -235,6 +241,68 @@ def run_all(kernels, reference, args, dtype: torch.dtype, tol: float, timing) ->
     return rows
 
 
+@dataclass
+class DecodeRow:
+    shape: str
+    load: str
+    num_splits: int  # what decode_num_splits picked
+    triton_ms: float  # with those splits
+    one_split_ms: float  # num_splits=1: one program per (sequence, KV head)
+    torch_ms: float
+    err: float  # max |Triton - float32 reference|
+    ok: bool
+
+
+DECODE_LOADS = [("64 seqs <= 2048", 64, 2048, False), ("4 seqs x 8192", 4, 8192, True)]
+
+
+def time_decode(kernels, reference, args) -> list[DecodeRow]:
+    """The decode kernel in bfloat16 against the reference, with and without
+    split-K, at both shapes and both loads (DECODE_LOADS: name, sequences,
+    longest context, all that long)."""
+    rows = []
+    for shape in SHAPES:
+        for load, num_seqs, max_context, all_long in DECODE_LOADS:
+            lens = ([max_context] * num_seqs if all_long else
+                    torch.randint(1, max_context + 1, (num_seqs,), generator=args.gen).tolist())
+            k_cache, v_cache, block_tables, context_lens = paged_cache(
+                lens, args.block_size, shape, torch.bfloat16, args.gen)
+            query = torch.randn(num_seqs, shape.num_heads, shape.head_dim,
+                                generator=args.gen).to(DEVICE, torch.bfloat16)
+            inputs = (query, k_cache, v_cache, block_tables, context_lens)
+            scale = shape.head_dim ** -0.5
+            splits = kernels.decode_num_splits(
+                num_seqs, shape.num_kv_heads, block_tables.shape[1] * args.block_size,
+                torch.cuda.get_device_properties(0).multi_processor_count)
+            truth = reference.paged_decode_attention(*float32(*inputs), scale)
+            outs = [kernels.paged_decode_attention(*inputs, scale),
+                    kernels.paged_decode_attention(*inputs, scale, num_splits=1)]
+            err = max((out.float() - truth).abs().max().item() for out in outs)
+            timing = (args.warmup, args.iters)
+            rows.append(DecodeRow(
+                shape.name, load, splits,
+                time_ms(lambda: kernels.paged_decode_attention(*inputs, scale), *timing),
+                time_ms(lambda: kernels.paged_decode_attention(*inputs, scale, num_splits=1),
+                        *timing),
+                time_ms(lambda: reference.paged_decode_attention(*inputs, scale), *timing),
+                err, err <= BF16_TOLERANCE))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_decode_table(rows: list[DecodeRow]) -> None:
+    print("\nthe decode kernel, bfloat16: one program per (sequence, KV head), split-K as "
+          "picked and without; speedup = torch ms / triton ms")
+    header = (f"{'shape':14} {'load':16} {'splits':>6} {'triton ms':>10} {'1 split ms':>10} "
+              f"{'torch ms':>9} {'speedup':>8} {'split gain':>10} {'err':>9}  result")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.shape:14} {r.load:16} {r.num_splits:6d} {r.triton_ms:10.3f} "
+              f"{r.one_split_ms:10.3f} {r.torch_ms:9.3f} {r.torch_ms / r.triton_ms:7.1f}x "
+              f"{r.one_split_ms / r.triton_ms:9.2f}x {r.err:9.2e}  {'ok' if r.ok else 'FAIL'}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=64)
@@ -246,6 +314,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-only", action="store_true",
+                        help="time the decode kernel alone, with and without split-K")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -261,6 +331,11 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"{args.seqs} sequences, contexts up to {args.max_context}, block size "
           f"{args.block_size}; errors are max |x - float32 reference|")
+
+    if args.decode_only:
+        decode_rows = time_decode(kernels, reference, args)
+        print_decode_table(decode_rows)
+        return 0 if all(r.ok for r in decode_rows) else 1
 
     rows = run_all(kernels, reference, args, torch.bfloat16, BF16_TOLERANCE,
                    (args.warmup, args.iters))

@@ -236,7 +236,8 @@ def _paged_decode_kernel(
 
         # b) load the tile's keys once; score them for every head of the group.
         k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (GROUP_ROWS, TILE_N)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        # scores: (GROUP_ROWS, TILE_N)
         scores = tl.where(in_context[None, :], scores, -float("inf"))
 
         # c) online softmax: if this tile holds a larger score, everything

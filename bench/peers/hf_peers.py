@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from bench.loadtest import RequestResult, format_table, prompt_messages, summarize
 from common.loader import LoadedModel, apply_chat_template, load_model
@@ -129,6 +129,9 @@ def run_generate_batch(loaded: LoadedModel, load: PeerLoad,
     """transformers' continuous batching. The KV cache is sized for every
     request at once (it has no card to respect), in blocks of PAGE_SIZE.
     One call: the deadline cannot cut it short."""
+    # Imported here: the other peers run on transformers releases without it
+    # (the GPU check's machine brings its own transformers).
+    from transformers import ContinuousBatchingConfig
     longest = max(map(len, load.prompts)) + load.max_tokens
     cb_config = ContinuousBatchingConfig(
         page_size=PAGE_SIZE, num_blocks=len(load.prompts) * -(-longest // PAGE_SIZE) + 1,

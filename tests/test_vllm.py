@@ -7,6 +7,9 @@ reason without it. One vLLM server and one chapter 08 server (chapter 06's
 API, chapter 07's grammars, on chapter 05's engine) serve the whole
 module; every request goes to both. The results keep the label "ch06"
 for the course's side: the API and the engine compared are chapter 06's.
+vLLM runs with `-O0` here: no torch.compile, the same engine, scheduler,
+kernels and wire, started in about 30 s instead of 1-4 minutes of
+compiling (`make bench` measures vLLM as users run it, compiled).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from bench.loadtest import ROOT
 from common.net import free_port
 
 NOT_INSTALLED = vllm_peer.missing()
+NO_COMPILE = ["-O0"]  # vLLM's optimization level 0: eager PyTorch (see the docstring)
 needs_vllm = pytest.mark.skipif(NOT_INSTALLED is not None, reason=str(NOT_INSTALLED))
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +45,7 @@ def kv_ports() -> dict[str, int]:
 def vllm_server(tmp_path_factory, kv_ports):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with vllm_peer.VllmServer(free_port(), log, "float32", extra=[
-            *kv_events_flag(kv_ports["vllm"]), *vllm_checks.ROUTE_FLAGS]) as server:
+            *NO_COMPILE, *kv_events_flag(kv_ports["vllm"]), *vllm_checks.ROUTE_FLAGS]) as server:
         yield server
 
 

@@ -275,6 +275,80 @@ def test_head_dim_not_a_power_of_two_is_refused_clearly():
             torch.ones(1, dtype=torch.int32, device=DEVICE), 1.0)
 
 
+# --- the engine through the kernels -----------------------------------------
+
+@pytest.fixture(scope="module")
+def attentive_llama():
+    """The tiny Llama with its attention and final norm scaled up. At their
+    usual scale, random weights attend almost uniformly, add little to the
+    residual stream and give every token about the same logprob, so even a
+    wrong softmax would leave the logprobs as they were; scaled, each query
+    picks a few positions and what it reads moves the logprobs."""
+    from common.loader import load_model
+    loaded = load_model("tiny-llama", dtype="float32", device="cpu", load_format="dummy")
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            for proj, scale in ATTENTION_SCALES.items():
+                getattr(layer.self_attn, proj).weight.mul_(scale)
+        loaded.model.model.norm.weight.mul_(FINAL_NORM_SCALE)
+    return loaded
+
+
+ATTENTION_SCALES = {"q_proj": 6.0, "k_proj": 6.0, "v_proj": 20.0, "o_proj": 20.0}
+FINAL_NORM_SCALE = 50.0
+
+
+class SplitKOps:
+    """The Triton kernels with split-K forced: partitions of 16 positions."""
+    store_kvcache = staticmethod(triton_kernels.store_kvcache)
+    paged_prefill_attention = staticmethod(triton_kernels.paged_prefill_attention)
+
+    @staticmethod
+    def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
+        splits = cdiv(block_tables.shape[1] * k_cache.shape[1], 16)
+        return triton_kernels.paged_decode_attention(query, k_cache, v_cache, block_tables,
+                                                     context_lens, scale, num_splits=splits,
+                                                     partition_size=16)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="on CUDA the engine picks these kernels itself "
+                                    "(bench/gpu/gpu_check.py's correctness step)")
+@pytest.mark.parametrize("ops", [triton_kernels, SplitKOps], ids=["triton", "split-k"])
+def test_the_engine_through_the_kernels_gives_hf_greedy_tokens(attentive_llama, ops):
+    """The tiny Llama (4 query heads, 2 KV heads, head_dim 16) served by the
+    engine with the Triton kernels, interpreted: fused-qkv views, prefills
+    beside decodes, a request arriving mid-run. Greedy tokens == HF
+    generate's, and so are their logprobs, to 1e-4."""
+    from common.config import EngineConfig
+    from common.engine.parts import assemble_engine
+    from common.sampling_params import SamplingParams
+
+    engine = assemble_engine(EngineConfig(model="tiny-llama", dtype="float32", device="cpu",
+                                          load_format="dummy"),
+                             loaded=attentive_llama, num_blocks=32, attention_ops=ops)
+    prompts = {str(n): [1 + (13 * n + j) % 400 for j in range(n)] for n in (5, 20, 37)}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    engine.add_request("5", prompts["5"], params)
+    done = {o.request_id: o for o in engine.step() if o.finished}
+    for request_id in ("20", "37"):  # they prefill while "5" decodes
+        engine.add_request(request_id, prompts[request_id], params)
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for request_id, ids in prompts.items():
+        input_ids = torch.tensor([ids])
+        hf = attentive_llama.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=10,
+            min_new_tokens=10, do_sample=False, output_logits=True,
+            return_dict_in_generate=True)
+        expected = hf.sequences[0, len(ids):].tolist()
+        expected_logprobs = [torch.log_softmax(step[0], dim=-1)[token].item()
+                             for step, token in zip(hf.logits, expected)]
+        output = done[request_id].outputs[0]
+        assert output.token_ids == expected, request_id
+        torch.testing.assert_close([t.logprob for t in output.logprobs], expected_logprobs,
+                                   rtol=0, atol=1e-4)
+
+
 # --- bfloat16 on a real GPU -------------------------------------------------
 
 @pytest.mark.cuda

@@ -67,7 +67,7 @@ DURATION    ?=
 VS_VLLM_ARGS = $(if $(LOADS),--loads $(LOADS)) $(if $(DTYPES),--dtypes $(DTYPES)) \
   $(if $(ALTERNATIONS),--alternations $(ALTERNATIONS)) $(if $(DURATION),--duration $(DURATION))
 
-.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve adapters bench-adapters
+.PHONY: lint-pages screenshots imports figures samples pictures traces bench-vs-vllm bench-spec bench-structured bench-scale bench-faults bench-live-view vllm vllm-serve vllm-check vllm-steps gpu-check gpu-wheels help setup test exercise exercises-check mutants demo demo-oom watch watch-vllm loadtest serve slides clean bench bench-sweep bench-gpu llama-server guidellm levers fairness ray-up ray-down ray-serve adapters bench-adapters
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -287,6 +287,9 @@ GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core=
   pyparsing==3.3.3 python-dateutil==4.0.0 six==1.17.0 tqdm==4.70.1 \
   typing-extensions==4.16.0 opentelemetry-api==1.45.2 pyahocorasick==2.3.1 \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
+
+gpu-check: ## on CUDA: the GPU check's five steps, each under 3 min (bench/gpu_check.sh; STEPS="graphs decode-kernel"; REHEARSE=1 without CUDA)
+	PATH=$(VENV)/bin:$$PATH bash bench/gpu_check.sh $(if $(STEPS),--steps $(STEPS)) $(if $(REHEARSE),--rehearse)
 
 gpu-wheels: ## download the wheels bench/gpu_check.sh installs on a GPU machine (.whl/)
 	mkdir -p .whl && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude

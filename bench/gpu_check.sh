@@ -9,7 +9,9 @@
 #   bash bench/gpu_check.sh --rehearse             # without CUDA: what the CPU can run
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if compgen -G ".whl/*.whl" > /dev/null; then
+# The wheels are for the GPU machine's Python (3.12, as `make gpu-wheels` asks).
+if compgen -G ".whl/*.whl" > /dev/null &&
+   python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD"

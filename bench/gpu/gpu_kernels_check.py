@@ -273,7 +273,7 @@ def time_decode(kernels, reference, args) -> list[DecodeRow]:
             scale = shape.head_dim ** -0.5
             splits = kernels.decode_num_splits(
                 num_seqs, shape.num_kv_heads, block_tables.shape[1] * args.block_size,
-                torch.cuda.get_device_properties(0).multi_processor_count)
+                kernels.multiprocessors(query.device))
             truth = reference.paged_decode_attention(*float32(*inputs), scale)
             outs = [kernels.paged_decode_attention(*inputs, scale),
                     kernels.paged_decode_attention(*inputs, scale, num_splits=1)]

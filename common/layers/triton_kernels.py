@@ -137,7 +137,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 # --------------------------------------------------------------------------
 # Shared by both attention kernels: where the K/V rows of a tile of
-# positions are, through the sequence's block table.
+# positions are, through the sequence's block table, and one step of the
+# online softmax over that tile.
 # --------------------------------------------------------------------------
 
 @triton.jit
@@ -162,6 +163,42 @@ def _kv_tile_offsets(
             + offset_in_block[:, None] * cache_stride_offset
             + kv_head * cache_stride_head
             + dims[None, :] * cache_stride_dim)  # (TILE_N, HEAD_DIM)
+
+
+@triton.jit
+def _attend_tile(
+    q,  # (ROWS, HEAD_DIM): one query per row
+    k_cache_ptr, v_cache_ptr,
+    kv_offsets,  # (TILE_N, HEAD_DIM) where the tile's K/V rows are (_kv_tile_offsets)
+    in_context,  # (TILE_N,) which positions of the tile exist
+    visible,  # (ROWS, TILE_N) or (1, TILE_N): which positions each row may see
+    scale,
+    running_max, running_sum,  # (ROWS,) float32: the online softmax's state...
+    acc,  # (ROWS, HEAD_DIM) float32: ...and the running weighted sum of V
+    DOT_PRECISION: tl.constexpr,
+):
+    """One step of the online softmax, for every row at once: both attention
+    kernels' loop body. Returns the new (running_max, running_sum, acc)."""
+    # b) load the tile's keys once; score them for every row.
+    k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (ROWS, TILE_N)
+    scores = tl.where(visible, scores, -float("inf"))
+
+    # c) online softmax: if this tile holds a larger score, everything
+    #    summed so far was scaled by exp(-old_max) and must now be scaled
+    #    by exp(-new_max): multiply it by alpha = exp(old_max - new_max).
+    #    Each row sees a position of its first tile (a partition's first
+    #    position, or position 0), so new_max is finite from then on.
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (ROWS,)
+    alpha = tl.exp(running_max - new_max)  # 0 on the first tile
+    p = tl.exp(scores - new_max[:, None])  # (ROWS, TILE_N) unnormalised probabilities
+    running_sum = running_sum * alpha + tl.sum(p, axis=1)
+
+    # d) load the tile's values once; acc += p @ V. p is cast to the cache
+    #    dtype for the matrix product (bfloat16 on GPU, as FlashAttention does).
+    v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
 
 
 # --------------------------------------------------------------------------
@@ -234,26 +271,10 @@ def _paged_decode_kernel(
             cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
             BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
 
-        # b) load the tile's keys once; score them for every head of the group.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        # scores: (GROUP_ROWS, TILE_N)
-        scores = tl.where(in_context[None, :], scores, -float("inf"))
-
-        # c) online softmax: if this tile holds a larger score, everything
-        #    summed so far was scaled by exp(-old_max) and must now be scaled
-        #    by exp(-new_max): multiply it by alpha = exp(old_max - new_max).
-        #    A partition's first tile holds its first position, so new_max
-        #    is finite from then on.
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (GROUP_ROWS,)
-        alpha = tl.exp(running_max - new_max)  # 0 on the first tile
-        p = tl.exp(scores - new_max[:, None])  # (GROUP_ROWS, TILE_N) unnormalised
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-
-        # d) load the tile's values once; acc += p @ V for every head.
-        v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        # b)-d) the online softmax's step for every head of the group
+        running_max, running_sum, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, kv_offsets, in_context, in_context[None, :], scale,
+            running_max, running_sum, acc, DOT_PRECISION)  # acc: (GROUP_ROWS, HEAD_DIM)
 
     out_offsets = (seq * out_stride_seq + heads[:, None] * out_stride_head
                    + split * out_stride_split + dims[None, :] * out_stride_dim)
@@ -337,7 +358,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_context = block_tables.shape[1] * block_size  # no sequence is longer
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context,
-                                       _multiprocessors(query.device), partition_size)
+                                       multiprocessors(query.device), partition_size)
     split_k = num_splits > 1
     # The kernel indexes these with stride 1 along their last dimension.
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
@@ -446,24 +467,11 @@ def _paged_prefill_kernel(
             cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
             BLOCK_SIZE, HEAD_DIM)  # (TILE_N, HEAD_DIM)
 
-        # b) load the keys; scores of every (row, position) pair, causal.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (M, TILE_N)
+        # b)-d) the online softmax's step for every (token, head) row, causal
         visible = in_context[None, :] & (positions[None, :] <= q_positions[:, None])
-        scores = tl.where(visible, scores, -float("inf"))
-
-        # c) online softmax, row by row (see the decode kernel). Every row
-        #    sees position 0 in the first tile, so new_max is always finite.
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # (M,)
-        alpha = tl.exp(running_max - new_max)  # (M,)
-        p = tl.exp(scores - new_max[:, None])  # (M, TILE_N)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-
-        # d) load the values; acc += p @ V. p is cast to the cache dtype for
-        #    the matrix product (bfloat16 on GPU, as FlashAttention does).
-        v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, kv_offsets, in_context, visible, scale,
+            running_max, running_sum, acc, DOT_PRECISION)  # acc: (M, HEAD_DIM)
 
     out = acc / running_sum[:, None]  # (M, HEAD_DIM)
     out_offsets = ((query_start + q_index)[:, None] * out_stride_token
@@ -513,7 +521,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # Helpers of the wrappers
 # --------------------------------------------------------------------------
 
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     """The GPU's streaming multiprocessors (132 on an H100); 1 elsewhere (the
     interpreter), where split-K runs only when asked for."""
     if device.type != "cuda":

@@ -321,19 +321,16 @@ def test_the_engine_through_the_kernels_gives_hf_greedy_tokens(attentive_llama, 
     generate's, and so are their logprobs, to 1e-4."""
     from common.config import EngineConfig
     from common.engine.parts import assemble_engine
-    from common.sampling_params import SamplingParams
+    from tests.engine_helpers import greedy, run_all
 
     engine = assemble_engine(EngineConfig(model="tiny-llama", dtype="float32", device="cpu",
                                           load_format="dummy"),
                              loaded=attentive_llama, num_blocks=32, attention_ops=ops)
     prompts = {str(n): [1 + (13 * n + j) % 400 for j in range(n)] for n in (5, 20, 37)}
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    params = greedy(max_tokens=10, ignore_eos=True, logprobs=0)
     engine.add_request("5", prompts["5"], params)
-    done = {o.request_id: o for o in engine.step() if o.finished}
-    for request_id in ("20", "37"):  # they prefill while "5" decodes
-        engine.add_request(request_id, prompts[request_id], params)
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.step()  # its prefill: "20" and "37" then prefill while it decodes
+    done = run_all(engine, {"20": prompts["20"], "37": prompts["37"]}, params)
     for request_id, ids in prompts.items():
         input_ids = torch.tensor([ids])
         hf = attentive_llama.model.generate(
@@ -343,7 +340,7 @@ def test_the_engine_through_the_kernels_gives_hf_greedy_tokens(attentive_llama, 
         expected = hf.sequences[0, len(ids):].tolist()
         expected_logprobs = [torch.log_softmax(step[0], dim=-1)[token].item()
                              for step, token in zip(hf.logits, expected)]
-        output = done[request_id].outputs[0]
+        output = done[request_id]
         assert output.token_ids == expected, request_id
         torch.testing.assert_close([t.logprob for t in output.logprobs], expected_logprobs,
                                    rtol=0, atol=1e-4)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import signal
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from typing import Callable
 
 import torch
 
+from bench import record
 from bench.record import bf16_words
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,17 +89,15 @@ class Setup:
 
 
 def machine() -> dict:
-    from common.loader import cpu_bf16_flags, cpu_model
-    info = {"cpu": cpu_model(), "cpu_bf16": cpu_bf16_flags(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "gpu": None, "driver": None, "triton": None}
+    """bench/record.py's machine (CPU, its bf16 support, GPU, versions), with
+    CUDA's version, the GPU's driver and Triton's version."""
+    info = {**record.machine(), "cuda": torch.version.cuda, "driver": None, "triton": None}
     try:
         import triton
         info["triton"] = triton.__version__
     except ImportError:
         pass
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
         try:
             info["driver"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
